@@ -1,0 +1,200 @@
+"""Build a `KetchConfig` from defaults, a YAML file and command-line overrides, with clear errors.
+
+Order of precedence: built-in defaults < YAML file (`--config-path FILE`) < overrides. Overrides may be
+spelled `key.path=value`, `--key.path=value` or `--key.path value`; values are parsed as YAML
+(`a.b=[1,2]`, `x=null`, `flag=true`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ketch.config.schema import KetchConfig
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run: the message names the key, the value and the fix."""
+
+
+def load_config(config_path: str | Path | None = None, overrides: list[str] | None = None) -> KetchConfig:
+    """Merge defaults, the YAML file and the overrides into a validated, frozen `KetchConfig`."""
+    tree = _as_tree(KetchConfig())
+    if config_path is not None:
+        _merge(tree, _read_yaml(Path(config_path)), source=str(config_path))
+    for key, value in parse_overrides(overrides or []):
+        _merge(tree, _nest(key, value), source="command line")
+    config = _build(KetchConfig, tree, prefix="")
+    from ketch.config.validate import validate
+
+    validate(config)
+    return config
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn `['--a.b', '1', 'c.d=[1,2]', '--e=x']` into `[('a.b', 1), ('c.d', [1, 2]), ('e', 'x')]`."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        body = arg[2:] if arg.startswith("--") else arg
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        elif arg.startswith("--") and i + 1 < len(args):
+            key, raw = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"cannot read override {arg!r}: write it as key.path=value or --key.path value")
+        if not key:
+            raise ConfigError(f"override {arg!r} has no key before '='")
+        pairs.append((key, _parse_value(raw)))
+        i += 1
+    return pairs
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist (given by --config-path)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, found {type(data).__name__}")
+    return data
+
+
+def _nest(dotted: str, value: Any) -> dict:
+    node: Any = value
+    for part in reversed(dotted.split(".")):
+        node = {part: node}
+    return node
+
+
+class _Tree(dict):
+    """A dict of one schema section; values that are `_Tree`s are sub-sections, the rest are leaves."""
+
+
+def _as_tree(section: Any) -> _Tree:
+    return _Tree(
+        {
+            f.name: _as_tree(v) if dataclasses.is_dataclass(v := getattr(section, f.name)) else v
+            for f in dataclasses.fields(section)
+        }
+    )
+
+
+def _merge(tree: dict, update: dict, source: str, prefix: str = "") -> None:
+    for key, value in update.items():
+        path = f"{prefix}{key}"
+        if key not in tree:
+            raise ConfigError(_unknown_key_message(path, tree, prefix, source))
+        if isinstance(tree[key], _Tree):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path} is a section of keys ({', '.join(tree[key])}), got {value!r} ({source})")
+            _merge(tree[key], value, source, prefix=f"{path}.")
+        else:
+            tree[key] = value
+
+
+def _unknown_key_message(path: str, tree: dict, prefix: str, source: str) -> str:
+    valid = [f"{prefix}{k}" for k in tree]
+    every = _all_keys(_as_tree(KetchConfig()))
+    leaf = path.rsplit(".", 1)[-1]
+    same_leaf = [k for k in every if k.rsplit(".", 1)[-1] == leaf]
+    close = list(dict.fromkeys(difflib.get_close_matches(path, valid + every, n=3, cutoff=0.6) + same_leaf))[:4]
+    hint = f"; did you mean {' or '.join(close)}?" if close else f"; valid keys here: {', '.join(valid)}"
+    return f"unknown config key {path!r} ({source}){hint}"
+
+
+def _all_keys(tree: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in tree.items():
+        keys.append(f"{prefix}{key}")
+        if isinstance(value, _Tree):
+            keys += _all_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def _build(cls: type, tree: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        kind = hints[f.name]
+        value = tree[f.name]
+        if dataclasses.is_dataclass(kind):
+            kwargs[f.name] = _build(kind, value, f"{path}.")
+        else:
+            kwargs[f.name] = _coerce(value, kind, path)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, kind: Any, path: str) -> Any:
+    """Check `value` against the annotation `kind`, converting only where it is lossless."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, option, path)
+            except ConfigError:
+                continue
+        raise _type_error(path, value, kind)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(repr, args))}")
+        return value
+    if origin is list:
+        items = value if isinstance(value, list) else [value] if value is not None else None
+        if items is None:
+            raise _type_error(path, value, kind)
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(items)]
+    if origin is dict or kind is dict:
+        if not isinstance(value, dict):
+            raise _type_error(path, value, kind)
+        return dict(value)
+    if kind is Any:
+        return value
+    return _coerce_scalar(value, kind, path)
+
+
+def _coerce_scalar(value: Any, kind: type, path: str) -> Any:
+    if kind is float and isinstance(value, int | float | str) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise _type_error(path, value, kind) from None
+    if kind is str and isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise _type_error(path, value, kind)
+
+
+def _type_error(path: str, value: Any, kind: Any) -> ConfigError:
+    expected = getattr(kind, "__name__", None) or str(kind).replace("typing.", "")
+    return ConfigError(f"{path}={value!r} has type {type(value).__name__}, expected {expected}")
+
+
+def to_dict(config: KetchConfig) -> dict:
+    """The config as plain nested dicts (for YAML, JSON and checkpoints)."""
+    return dataclasses.asdict(config)
+
+
+def to_yaml(config: KetchConfig) -> str:
+    """The resolved config as YAML, sections in schema order."""
+    return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None)

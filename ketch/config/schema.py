@@ -1,0 +1,280 @@
+"""The typed configuration schema: one frozen dataclass per section, every field documented.
+
+Sizes follow one convention: `*_batch_size` without a suffix counts prompts, `*_per_device` counts
+sequences (prompt + response) on one device. A prompt expands to `rollout.n` sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BUILTIN_TASK = "builtin:arithmetic"
+BUILTIN_MODEL = "builtin:tiny-arithmetic"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: [f"{BUILTIN_TASK}/train"])
+    """Parquet files (local paths or fsspec URLs) of training prompts; `builtin:arithmetic/train` is generated."""
+    val_files: list[str] = field(default_factory=lambda: [f"{BUILTIN_TASK}/val"])
+    """Parquet files of validation prompts; empty disables validation."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt: a string or a chat message list [{role, content}, ...]."""
+    response_key: str = "response"
+    """Column holding the target response (SFT only)."""
+    max_prompt_length: int = 32
+    """Prompts are left-padded to this many tokens; longer ones are handled per `truncation`."""
+    max_response_length: int = 16
+    """The most tokens the rollout generates per response."""
+    train_batch_size: int = 64
+    """Prompts per training step."""
+    val_batch_size: int | None = None
+    """Prompts per validation generation call; None = the whole validation set at once."""
+    truncation: Literal["left", "right", "error"] = "error"
+    """What to do with a prompt longer than max_prompt_length: keep its end, keep its start, or stop."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than max_prompt_length up front (the count is reported)."""
+    chat_template: str | None = None
+    """A built-in chat template (`chatml`, `zephyr`, `llama-3`) used instead of the tokenizer's own."""
+    apply_chat_template: bool = True
+    """Format chat-list prompts with a chat template; plain string prompts are always used as they are."""
+    shuffle: bool = True
+    """Shuffle training prompts every epoch (seeded by trainer.seed)."""
+    max_samples: int | None = None
+    """Use at most this many rows of each split (for quick experiments)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = BUILTIN_MODEL
+    """A Hugging Face model directory or hub id; `builtin:tiny-arithmetic` is the built-in warm-started model."""
+    tokenizer_path: str | None = None
+    """Tokenizer directory or hub id; None = model.path."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype for the rollout and frozen models; auto = bfloat16 on GPU, float32 on CPU."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers (`eager`, `sdpa`, `flash_attention_2`)."""
+    trust_remote_code: bool = False
+    """Allow model code from the model directory (needed by some hub models)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """Entries written over the model's config.json before loading (e.g. {attention_dropout: 0.0})."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+    """Learning-rate shape after warm-up."""
+    warmup_steps: int = 0
+    """Linear warm-up length in optimizer steps."""
+    min_lr_ratio: float = 0.0
+    """Cosine schedule floor as a fraction of lr."""
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
+    """Optimizer of the policy."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per optimizer step (x rollout.n sequences); None = the whole batch, one step per epoch."""
+    ppo_micro_batch_size_per_device: int | None = None
+    """Sequences per forward/backward on one device; None = the whole per-device mini-batch."""
+    use_dynamic_bsz: bool = False
+    """Split micro-batches by a token budget (ppo_max_token_len_per_device) instead of a sequence count."""
+    ppo_max_token_len_per_device: int = 16384
+    """Token budget of one micro-batch when use_dynamic_bsz is on."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    shuffle: bool = True
+    """Shuffle sequences between mini-batches."""
+    clip_ratio_low: float = 0.2
+    """PPO clip range below 1 (Schulman et al. 2017)."""
+    clip_ratio_high: float = 0.2
+    """PPO clip range above 1 (DAPO's clip-higher when larger than clip_ratio_low)."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound for negative advantages (Ye et al. 2020); None disables dual clip."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced (token-mean is global over the mini-batch's valid tokens)."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus in the actor loss."""
+    use_kl_loss: bool = False
+    """Add KL(actor || reference) to the loss (GRPO style) instead of to the reward."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss when use_kl_loss."""
+    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
+    """KL estimator of the KL loss."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    enable: bool | None = None
+    """Train a value model; None = only when algorithm.adv_estimator needs one (gae)."""
+    model_path: str | None = None
+    """Backbone of the critic; None = the actor's initial weights with a fresh value head."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    """Optimizer of the value model."""
+    ppo_mini_batch_size: int | None = None
+    """Prompts per critic optimizer step; None = the whole batch."""
+    ppo_micro_batch_size_per_device: int | None = None
+    """Sequences per critic forward/backward on one device; None = no split."""
+    ppo_epochs: int = 1
+    """Passes of the critic over each rollout batch."""
+    cliprange_value: float = 0.5
+    """Clip of the value prediction around the old value (PPO value clipping)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """Reduction of the per-token value loss."""
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    log_prob_micro_batch_size_per_device: int | None = None
+    """Sequences per reference forward on one device; None = all at once."""
+
+
+@dataclass(frozen=True)
+class ValSamplingConfig:
+    n: int = 1
+    """Samples per validation prompt (pass@k and maj@k are logged when > 1)."""
+    do_sample: bool = False
+    """Sample in validation (False = greedy)."""
+    temperature: float = 1.0
+    """Sampling temperature in validation when do_sample."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    name: Literal["hf", "vllm"] = "hf"
+    """Generation backend."""
+    n: int = 1
+    """Responses sampled per prompt (GRPO/RLOO need n > 1)."""
+    temperature: float = 1.0
+    """Sampling temperature; log-probs in training use the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables."""
+    do_sample: bool = True
+    """Sample (True) or decode greedily (False)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS up to max_response_length (benchmarks)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+    log_prob_micro_batch_size_per_device: int | None = None
+    """Sequences per old-log-prob forward on one device; None = all at once."""
+    val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    """Sampling used for validation."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    function: str | None = None
+    """A user scorer `path/to/file.py:fn` with signature fn(data_source, solution_str, ground_truth, extra_info)."""
+    on_error: Literal["raise", "zero"] = "raise"
+    """When a scorer raises on a sample: stop the run, or log it and score the sample 0."""
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient or the adaptive controller of Ziegler et al. 2019."""
+    kl_coef: float = 0.001
+    """KL coefficient (initial value for adaptive)."""
+    target_kl: float = 0.1
+    """Adaptive controller target KL per token."""
+    horizon: int = 10000
+    """Adaptive controller horizon in samples."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax (or any registered one)."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda (Schulman et al. 2016)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's std (False = Dr. GRPO)."""
+    normalize_advantage: bool = True
+    """Whiten advantages over the batch's valid tokens (GAE and REINFORCE++)."""
+    clip_advantage: float | None = None
+    """Clip advantages to [-clip, clip] after whitening; None disables."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef * KL(actor || reference) from the token-level reward (InstructGPT style)."""
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "kl"
+    """KL estimator used in the reward."""
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """KL coefficient controller for the in-reward penalty."""
+    non_finite: Literal["raise", "zero"] = "raise"
+    """A NaN/inf in rewards, values or advantages: stop with a message, or zero those entries and count them."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str = "ketch"
+    """Project name used by trackers."""
+    experiment_name: str = "arithmetic-ppo"
+    """Run name; the run directory is default_local_dir/experiment_name."""
+    default_local_dir: str = "runs"
+    """Where run directories (metrics, checkpoints, exports) are written."""
+    total_epochs: int = 1
+    """Passes over the training prompts."""
+    total_steps: int | None = 40
+    """Stop after this many steps (overrides total_epochs when set)."""
+    log_interval: int = 1
+    """Print one summary line every this many steps."""
+    test_freq: int = 10
+    """Validate every this many steps (and at the end); 0 disables periodic validation."""
+    val_before_train: bool = True
+    """Validate once before the first step."""
+    save_freq: int = 0
+    """Save a checkpoint every this many steps (and at the end); 0 = only at the end."""
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    """Trackers: any of console, jsonl (always on)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the workers; auto = cuda when available."""
+    seed: int = 1
+    """Seed of data order, sampling and initialisation."""
+    n_gpus_per_node: int = 1
+    """Devices per node used by the workers."""
+    nnodes: int = 1
+    """Nodes used by the workers."""
+
+
+@dataclass(frozen=True)
+class KetchConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        """Whether a value model is trained (explicit critic.enable, else only for GAE)."""
+        if self.critic.enable is not None:
+            return self.critic.enable
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        """Whether reference log-probs are needed (KL in the reward or in the loss)."""
+        return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss

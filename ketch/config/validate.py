@@ -1,0 +1,81 @@
+"""Checks of combinations of keys that each look fine alone but cannot run together."""
+
+from __future__ import annotations
+
+from ketch.config.batch import BatchError, derive_batch_plan
+from ketch.config.loader import ConfigError
+from ketch.config.schema import KetchConfig
+
+KNOWN_LOGGERS = ("console", "jsonl")
+
+
+def validate(config: KetchConfig) -> None:
+    """Raise `ConfigError` naming the conflicting keys when `config` cannot run."""
+    problems = [p for check in _CHECKS if (p := check(config))]
+    try:
+        derive_batch_plan(config, world_size=1)
+    except BatchError as err:
+        problems.append(str(err))
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _positive_counts(c: KetchConfig) -> str | None:
+    counts = {
+        "data.max_prompt_length": c.data.max_prompt_length,
+        "data.max_response_length": c.data.max_response_length,
+        "actor.ppo_epochs": c.actor.ppo_epochs,
+        "critic.ppo_epochs": c.critic.ppo_epochs,
+        "trainer.total_epochs": c.trainer.total_epochs,
+        "trainer.log_interval": c.trainer.log_interval,
+        "trainer.n_gpus_per_node": c.trainer.n_gpus_per_node,
+        "trainer.nnodes": c.trainer.nnodes,
+        "rollout.val.n": c.rollout.val.n,
+    }
+    if c.trainer.total_steps is not None:
+        counts["trainer.total_steps"] = c.trainer.total_steps
+    bad = [f"{k}={v}" for k, v in counts.items() if v < 1]
+    return f"{', '.join(bad)} must be >= 1" if bad else None
+
+
+def _critic_matches_estimator(c: KetchConfig) -> str | None:
+    if c.algorithm.adv_estimator == "gae" and c.critic.enable is False:
+        return "algorithm.adv_estimator=gae needs values, but critic.enable=false; enable the critic or pick grpo/rloo"
+    if c.algorithm.adv_estimator != "gae" and c.critic.enable:
+        return (
+            f"critic.enable=true but algorithm.adv_estimator={c.algorithm.adv_estimator} does not use values; "
+            "set algorithm.adv_estimator=gae or critic.enable=null"
+        )
+    return None
+
+
+def _kl_used_once(c: KetchConfig) -> str | None:
+    if c.algorithm.use_kl_in_reward and c.actor.use_kl_loss:
+        return "algorithm.use_kl_in_reward=true and actor.use_kl_loss=true would penalise KL twice; keep one of them"
+    return None
+
+
+def _sampling(c: KetchConfig) -> str | None:
+    r = c.rollout
+    if r.temperature <= 0:
+        return f"rollout.temperature={r.temperature} must be > 0 (use rollout.do_sample=false for greedy decoding)"
+    if not 0 < r.top_p <= 1:
+        return f"rollout.top_p={r.top_p} must be in (0, 1]"
+    if r.top_k < 0:
+        return f"rollout.top_k={r.top_k} must be >= 0 (0 disables top-k)"
+    if r.val.n > 1 and not r.val.do_sample:
+        return (
+            f"rollout.val.n={r.val.n} with rollout.val.do_sample=false would give {r.val.n} identical greedy "
+            "answers; set rollout.val.do_sample=true or rollout.val.n=1"
+        )
+    return None
+
+
+def _loggers(c: KetchConfig) -> str | None:
+    unknown = [name for name in c.trainer.logger if name not in KNOWN_LOGGERS]
+    if unknown:
+        return f"trainer.logger has unknown entries {unknown}; choose from {list(KNOWN_LOGGERS)}"
+    return None
+
+
+_CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers)
