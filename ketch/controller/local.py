@@ -1,0 +1,28 @@
+"""The local backend: every role in the driver's own process, behind the same group calls as Ray.
+
+For one device and for debugging with a plain debugger. The group has one rank, so dispatch modes
+reduce to calling the method and collecting its one result."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ketch.controller.decorator import registered_methods
+
+
+class LocalWorkerGroup:
+    """Builds `worker_cls(*args, **kwargs)` in this process and exposes its registered methods."""
+
+    world_size = 1
+
+    def __init__(self, worker_cls: type, *args: Any, role: str = "worker", **kwargs: Any):
+        self.role = role
+        self.worker = worker_cls(*args, **kwargs)
+        for name, registration in registered_methods(worker_cls).items():
+            setattr(self, name, functools.partial(self._call, name, registration))
+
+    def _call(self, name: str, registration, *args: Any, **kwargs: Any) -> Any:
+        ((rank_args, rank_kwargs),), context = registration.dispatch.dispatch(1, args, kwargs)
+        result = getattr(self.worker, name)(*rank_args, **rank_kwargs)
+        return registration.dispatch.collect([result], context)

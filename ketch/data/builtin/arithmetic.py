@@ -1,0 +1,162 @@
+"""The built-in arithmetic task: addition and subtraction problems such as `347+58=` -> `#### 405`.
+
+`resolve_data_files` turns the entries `builtin:arithmetic/train` and `builtin:arithmetic/val` into
+Parquet files generated once into the user cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+import random
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ketch.cache import cache_dir
+from ketch.config.schema import BUILTIN_TASK
+
+DATA_SOURCE = "ketch/arithmetic"
+SPLITS = ("train", "val")
+MAX_PROMPT_CHARS = 16
+_OPS = {"+": operator.add, "-": operator.sub}
+_FORMAT_VERSION = 1  # bump when the rows written for the same settings change, to regenerate cached files
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Settings of the generated problems; operands have `min_digits` to `max_digits` digits."""
+
+    min_digits: int = 1
+    max_digits: int = 3
+    ops: tuple[str, ...] = ("+", "-")
+    num_train: int = 20000
+    num_val: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        longest = 2 * self.max_digits + 2
+        if not 1 <= self.min_digits <= self.max_digits or longest > MAX_PROMPT_CHARS:
+            raise ValueError(
+                f"ArithmeticTask needs 1 <= min_digits <= max_digits <= {(MAX_PROMPT_CHARS - 2) // 2} "
+                f"(prompts stay within {MAX_PROMPT_CHARS} characters); got min_digits={self.min_digits}, "
+                f"max_digits={self.max_digits}"
+            )
+        unknown = [op for op in self.ops if op not in _OPS]
+        if not self.ops or unknown or len(set(self.ops)) != len(self.ops):
+            raise ValueError(f"ArithmeticTask.ops must be distinct operators from {sorted(_OPS)}; got {self.ops}")
+        if self.num_train < 1 or self.num_val < 0:
+            raise ValueError(
+                f"ArithmeticTask needs num_train >= 1 and num_val >= 0; got {self.num_train}, {self.num_val}"
+            )
+        if self.num_train + self.num_val > self.num_problems // 2:
+            raise ValueError(
+                f"ArithmeticTask asks for {self.num_train + self.num_val} distinct problems but its settings allow "
+                f"{self.num_problems}; ask for at most half of them or raise max_digits"
+            )
+
+    @property
+    def num_problems(self) -> int:
+        """How many distinct problems these settings can produce."""
+        low = 0 if self.min_digits == 1 else 10 ** (self.min_digits - 1)
+        operands = 10**self.max_digits - low
+        return len(self.ops) * operands * operands
+
+    def settings_hash(self) -> str:
+        """A short hash of the settings (and of the row format), naming the cache directory."""
+        text = json.dumps({**asdict(self), "format": _FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _operand(rng: random.Random, task: ArithmeticTask) -> int:
+    """A number whose digit count is uniform in [min_digits, max_digits]."""
+    digits = rng.randint(task.min_digits, task.max_digits)
+    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
+
+
+def _row(problem: tuple[int, str, int], index: int, split: str) -> dict[str, Any]:
+    left, op, right = problem
+    answer = str(_OPS[op](left, right))
+    return {
+        "prompt": f"{left}{op}{right}=",
+        "response": f"#### {answer}",
+        "answer": answer,
+        "data_source": DATA_SOURCE,
+        "extra_info": {"index": index, "split": split},
+    }
+
+
+def generate_arithmetic_task(task: ArithmeticTask) -> dict[str, list[dict[str, Any]]]:
+    """Rows of each split, keyed `train` and `val`; no problem appears twice, within or across splits.
+
+    Validation problems are drawn first, so the validation split does not change with num_train.
+    """
+    rng = random.Random(task.seed)
+    seen: set[tuple[int, str, int]] = set()
+    problems: list[tuple[int, str, int]] = []
+    while len(problems) < task.num_val + task.num_train:
+        problem = (_operand(rng, task), rng.choice(task.ops), _operand(rng, task))
+        if problem not in seen:
+            seen.add(problem)
+            problems.append(problem)
+    val, train = problems[: task.num_val], problems[task.num_val :]
+    return {
+        "train": [_row(p, i, "train") for i, p in enumerate(train)],
+        "val": [_row(p, i, "val") for i, p in enumerate(val)],
+    }
+
+
+def _write_atomic(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write `rows` as Parquet to a temporary file next to `path`, then rename it into place."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_arithmetic_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
+    """Generate the task and write `train.parquet` and `val.parquet` into `out_dir`; returns the paths by split."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in generate_arithmetic_task(task).items():
+        paths[split] = out / f"{split}.parquet"
+        _write_atomic(rows, paths[split])
+    return paths
+
+
+def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
+    """The cached Parquet files of `task` by split, generated on first use."""
+    out = cache_dir() / "data" / f"arithmetic-{task.settings_hash()}"
+    paths = {split: out / f"{split}.parquet" for split in SPLITS}
+    if all(path.exists() for path in paths.values()):
+        return paths
+    return write_arithmetic_task(out, task)
+
+
+def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
+    """`files` with `builtin:arithmetic/train` and `builtin:arithmetic/val` replaced by cached Parquet paths.
+
+    Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
+    """
+    resolved = []
+    for entry in files:
+        if not entry.startswith("builtin:"):
+            resolved.append(entry)
+            continue
+        split = entry.removeprefix(f"{BUILTIN_TASK}/")
+        if split not in SPLITS:
+            choices = ", ".join(f"{BUILTIN_TASK}/{s}" for s in SPLITS)
+            raise ValueError(f"unknown built-in data set {entry!r} in the data files; the built-in ones are: {choices}")
+        resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
+    return resolved

@@ -1,0 +1,81 @@
+"""Read Parquet data files (local paths or fsspec URLs) into one column store, remembering where rows came from."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ketch.data.errors import DatasetError
+
+_PANDAS_INDEX_PREFIX = "__index_level_"
+
+
+@dataclass
+class Rows:
+    """The rows of several files concatenated: `columns[name][row]`; a column absent from a file holds None there."""
+
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    """The first row of each file."""
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values()), []))
+
+    def locate(self, row: int) -> str:
+        """Where row `row` comes from, for error messages: `file, row N` (N counts from 0 in that file)."""
+        f = bisect.bisect_right(self.starts, row) - 1
+        return f"{self.files[f]}, row {row - self.starts[f]}"
+
+    def append(self, file: str, table: pa.Table) -> None:
+        before = len(self)
+        self.files.append(file)
+        self.starts.append(before)
+        for name in table.column_names:
+            if not name.startswith(_PANDAS_INDEX_PREFIX):
+                self.columns.setdefault(name, [None] * before).extend(table.column(name).to_pylist())
+        for values in self.columns.values():
+            values.extend([None] * (before + table.num_rows - len(values)))
+
+
+def read_table(url: str) -> pa.Table:
+    """One Parquet file as a pyarrow Table; a missing, unreadable or empty file raises DatasetError."""
+    try:
+        with fsspec.open(url, "rb") as f:
+            table = pq.read_table(f)
+    except FileNotFoundError:
+        raise DatasetError(f"data file not found: {url}; check data.train_files / data.val_files") from None
+    except ImportError as e:
+        raise DatasetError(f"cannot open {url}: {e} (install the fsspec backend for this URL scheme)") from None
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise DatasetError(f"cannot read {url} as a Parquet file ({type(e).__name__}: {e})") from None
+    if table.num_rows == 0:
+        raise DatasetError(f"data file {url} has no rows; give a file with at least one row")
+    return table
+
+
+def read_parquet_files(files: list[str], required: Mapping[str, str]) -> Rows:
+    """Concatenate the rows of `files` in order.
+
+    `required` maps each column every file must have to the config field that names it (e.g.
+    `{"question": "prompt_key"}`), so the error can say which setting to change.
+    """
+    if not files:
+        raise DatasetError("no data files given; list Parquet files in data.train_files / data.val_files")
+    rows = Rows()
+    for url in files:
+        table = read_table(url)
+        for column, setting in required.items():
+            if column not in table.column_names:
+                raise DatasetError(
+                    f"data file {url} has no column {column!r} (data.{setting}); its columns are: "
+                    f"{', '.join(table.column_names)}; set data.{setting}=<one of them>"
+                )
+        rows.append(url, table)
+    return rows

@@ -1,0 +1,139 @@
+"""The FSDP2 training engine: shard a model, run micro-batched forwards, and take optimizer steps.
+
+One engine per model per process. It knows nothing about RL: the actor and critic workers give it a
+loss function. Losses are normalised by the whole mini-batch's valid tokens over all ranks, so the
+gradient does not depend on how the mini-batch is split into micro-batches or over ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ketch.config.schema import OptimConfig
+from ketch.engine.distributed import all_reduce_sum
+from ketch.engine.micro import split_micro_batches
+from ketch.engine.optim import build_optimizer, build_scheduler
+from ketch.protocol import DataProto
+
+logger = logging.getLogger("ketch.engine")
+
+LossFn = Callable[[dict[str, torch.Tensor], DataProto, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+"""loss_fn(outputs, micro_batch, num_tokens, num_seqs) -> (loss, metrics); counts are mini-batch totals."""
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def shard(module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Move `module` to `device` and apply FSDP2: each transformer block, then the root."""
+    module.to(device)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mp_policy": policy} if policy else {}
+    block_names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
+    for sub in module.modules():
+        if type(sub).__name__ in block_names:
+            fully_shard(sub, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def _hf_model(module: nn.Module) -> nn.Module:
+    return next((m for m in module.modules() if hasattr(m, "_no_split_modules")), module)
+
+
+class TrainEngine:
+    """An FSDP2-sharded module with (optionally) AdamW and an lr schedule."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        optim: OptimConfig | None = None,
+        total_steps: int = 1,
+        param_dtype: torch.dtype | None = None,
+        gradient_checkpointing: bool = False,
+    ):
+        if gradient_checkpointing:
+            _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.device = device
+        self.module = shard(module, device, param_dtype)
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.optim_config = optim
+        if optim is None:
+            self.module.requires_grad_(False)
+            self.optimizer = self.scheduler = None
+        else:
+            self.optimizer = build_optimizer(self.module.parameters(), optim, device)
+            self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
+
+    # ----------------------------------------------------------------- inference
+    @torch.no_grad()
+    def infer(
+        self, data: DataProto, micro_batch_size: int | None, max_tokens: int | None = None, **kwargs
+    ) -> dict[str, torch.Tensor]:
+        """Run the module over `data` in micro-batches (eval mode, no grad); outputs concatenated `[batch, ...]`."""
+        self.module.eval()
+        outputs = defaultdict(list)
+        for micro in split_micro_batches(data, micro_batch_size, max_tokens):
+            for key, value in self._forward(micro, **kwargs).items():
+                outputs[key].append(value)
+        return {key: torch.cat(values) for key, values in outputs.items()}
+
+    def _forward(self, micro: DataProto, **kwargs) -> dict[str, torch.Tensor]:
+        inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS}
+        return self.module(**inputs, response_len=micro.batch["responses"].shape[-1], **kwargs)
+
+    # ----------------------------------------------------------------- training
+    def train_mini_batch(self, micro_batches: list[DataProto], loss_fn: LossFn, **kwargs) -> dict[str, float]:
+        """One optimizer step over the micro-batches of one mini-batch on this rank.
+
+        `loss_fn` returns its loss and metrics as shares of the whole mini-batch (normalised by the global
+        counts it is given), so sums over micro-batches and ranks are exact mini-batch values: that is what
+        is returned, with `loss`, `grad_norm` and `lr`. A non-finite gradient norm skips the step."""
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        masks = [m.batch["response_mask"] for m in micro_batches]
+        num_tokens = all_reduce_sum(sum(m.sum() for m in masks).to(self.device, torch.float32))
+        num_seqs = all_reduce_sum(sum((m.sum(-1) > 0).sum() for m in masks).to(self.device, torch.float32))
+        totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        for i, micro in enumerate(micro_batches):
+            self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
+            micro = micro.to(self.device)
+            loss, metrics = loss_fn(self._forward(micro, **kwargs), micro, num_tokens, num_seqs)
+            # FSDP averages gradients over ranks; each rank's loss is already its share of the global mean.
+            (loss * self.world_size).backward()
+            for key, value in {"loss": loss.detach(), **metrics}.items():
+                totals[key] += value
+        summed = all_reduce_sum(torch.stack(list(totals.values()))).tolist()
+        return dict(zip(totals, summed, strict=True)) | self._step()
+
+    def _step(self) -> dict[str, float]:
+        clip = self.optim_config.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
+        lr = self.scheduler.get_last_lr()[0]
+        if not math.isfinite(grad_norm):
+            logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 1.0}
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 0.0}
+
+    # ----------------------------------------------------------------- weights
+    def full_parameters(self, prefix: str = "", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) for every parameter, gathered one at a time from the shards; names are
+        relative to the submodule `prefix` (e.g. `lm.` for the wrapped HF model)."""
+        for name, param in self.module.named_parameters():
+            tensor = param.full_tensor() if isinstance(param, DTensor) else param
+            yield name.removeprefix(prefix), tensor.detach().to(dtype or tensor.dtype)

@@ -1,0 +1,98 @@
+"""Forward wrappers that turn a HF model into what RL needs: per-token log-probs/entropy or values.
+
+Each wrapper is the root module that FSDP shards, so that the whole computation, including the output
+projection, happens inside one root forward (where FSDP has the parameters gathered). Positions are
+aligned so that output `[:, t]` scores response token t from the hidden state just before it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+LOGIT_CHUNK = 1024
+"""Tokens per chunk of the output projection: full [tokens x vocab] float32 logits never exist at once."""
+
+
+class PolicyModel(nn.Module):
+    """A causal LM that returns log-probs (and entropy) of given response tokens."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_len: int,
+        temperature: float = 1.0,
+        calc_entropy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Inputs `[batch, seq]` (prompt then response); returns `log_prob` (and `entropy`) `[batch, response_len]`
+        in float32, for logits divided by `temperature` as in sampling."""
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        states = hidden[:, -response_len - 1 : -1]
+        labels = input_ids[:, -response_len:]
+        head = self.lm.get_output_embeddings()
+        log_prob, entropy = chunked_log_probs(
+            states.reshape(-1, states.shape[-1]), labels.reshape(-1), head.weight, head.bias, temperature, calc_entropy
+        )
+        out = {"log_prob": log_prob.view(labels.shape)}
+        if calc_entropy:
+            out["entropy"] = entropy.view(labels.shape)
+        return out
+
+
+def chunked_log_probs(
+    states: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    calc_entropy: bool,
+    chunk: int = LOGIT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of `labels` `[tokens]` (and entropy) from hidden `states` `[tokens, hidden]`, chunk by chunk;
+    under autograd each chunk is recomputed in the backward pass instead of keeping its logits."""
+    log_probs, entropies = [], []
+    for start in range(0, states.shape[0], chunk):
+        args = (states[start : start + chunk], labels[start : start + chunk], weight, bias, temperature, calc_entropy)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_log_probs(*args)
+        log_probs.append(lp)
+        entropies.append(ent)
+    return torch.cat(log_probs), torch.cat(entropies) if calc_entropy else None
+
+
+def _chunk_log_probs(states, labels, weight, bias, temperature, calc_entropy):
+    logits = nn.functional.linear(states, weight, bias).float() / temperature
+    normaliser = torch.logsumexp(logits, dim=-1)
+    log_prob = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - normaliser
+    if not calc_entropy:
+        return log_prob, log_prob.new_zeros(0)
+    entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return log_prob, entropy
+
+
+class ValueModel(nn.Module):
+    """A backbone with a scalar head (`*ForTokenClassification`, one label) that returns per-token values."""
+
+    def __init__(self, critic: nn.Module):
+        super().__init__()
+        self.critic = critic
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_len: int
+    ) -> dict[str, torch.Tensor]:
+        """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
+        logits = self.critic(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
+        return {"values": logits[:, -response_len - 1 : -1, 0].float()}

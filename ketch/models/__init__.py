@@ -1,0 +1,22 @@
+"""Model loading (causal LMs, critics with a value head, tokenizers) and the built-in tiny model."""
+
+from ketch.models.loader import (
+    ModelLoadError,
+    load_causal_lm,
+    load_critic,
+    load_model_config,
+    load_tokenizer,
+    resolve_dtype,
+)
+from ketch.models.tiny import build_tiny_model, tiny_qwen2_config
+
+__all__ = [
+    "ModelLoadError",
+    "build_tiny_model",
+    "load_causal_lm",
+    "load_critic",
+    "load_model_config",
+    "load_tokenizer",
+    "resolve_dtype",
+    "tiny_qwen2_config",
+]

@@ -1,0 +1,125 @@
+"""Load Hugging Face causal LMs, critics and tokenizers with the config fix-ups ketch needs.
+
+Every loader takes a local directory or a hub id. Failures name the path and what to check; hub ids
+are only fetched when the user asked for one (tests and the built-in run never touch the network).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+
+logger = logging.getLogger("ketch.models")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(OSError):
+    """A model or tokenizer that cannot be loaded: the message names the path and what to check."""
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' per-load progress bars and load reports (ketch logs what matters)."""
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """`auto` is bfloat16 on GPU and float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def load_model_config(path: str, trust_remote_code: bool = False, override: dict[str, Any] | None = None):
+    """The model's `PretrainedConfig` with `override` applied and rope settings made readable by this
+    transformers version (newer configs nest `rope_theta` in `rope_parameters`; older ones use
+    `rope_scaling` with `type` instead of `rope_type`; a config with neither loads with the defaults)."""
+    _check_path(path, "model")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot read the model config at {path!r} (model.path): {err}") from err
+    for key, value in (override or {}).items():
+        setattr(config, key, value)
+    _fix_rope(config)
+    return config
+
+
+def _fix_rope(config) -> None:
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params and not hasattr(type(config), "rope_parameters"):
+        config.rope_theta = params["rope_theta"]
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict) and "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling["type"]
+
+
+def load_causal_lm(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """An `AutoModelForCausalLM` from `path` on the CPU (callers move it), in `dtype`."""
+    quiet_transformers()
+    config = load_model_config(path, trust_remote_code, override_config)
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    return _from_pretrained(AutoModelForCausalLM, path, config, kwargs, "a causal LM")
+
+
+def load_critic(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """The backbone at `path` with a scalar value head (`AutoModelForTokenClassification`, one label).
+
+    A causal-LM checkpoint gives the backbone's weights and a freshly initialised head; a critic
+    checkpoint saved by ketch gives both."""
+    quiet_transformers()
+    override = {"classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
+    config = load_model_config(path, trust_remote_code, override)
+    config.num_labels = 1
+    what = "a critic (needs a *ForTokenClassification class for this architecture)"
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    return _from_pretrained(AutoModelForTokenClassification, path, config, kwargs, what)
+
+
+def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: str):
+    try:
+        return auto_cls.from_pretrained(path, config=config, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load {what} from {path!r}: {err}") from err
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer at `path`, with left padding and a pad token (EOS when it has none)."""
+    quiet_transformers()
+    _check_path(path, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        where = "model.tokenizer_path or model.path"
+        raise ModelLoadError(f"cannot load a tokenizer from {path!r} ({where}): {err}") from err
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ModelLoadError(f"the tokenizer at {path!r} has neither a pad nor an EOS token; add one to it")
+        logger.warning("tokenizer at %s has no pad token; using its EOS token %r", path, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _check_path(path: str, what: str) -> None:
+    looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
+    if looks_local and not Path(path).expanduser().is_dir():
+        raise ModelLoadError(f"{what} path {path!r} is not a directory; check model.path (or model.tokenizer_path)")

@@ -1,0 +1,79 @@
+"""The `Rollout` interface that every generation backend implements, and the backend registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ketch.protocol import DataProto
+
+_BACKENDS: dict[str, Callable[..., Rollout]] = {}
+
+
+class Rollout(ABC):
+    """Samples responses for left-padded prompts.
+
+    `generate` takes `input_ids`, `attention_mask`, `position_ids` `[batch, prompt_len]` and returns
+    `prompts` `[batch, prompt_len]`, `responses` and `response_mask` `[batch, response_len]` (right-padded;
+    the mask covers the response up to and including its first stop token), the concatenated
+    `input_ids`/`attention_mask`/`position_ids` `[batch, prompt_len + response_len]`, and
+    `rollout_log_probs` `[batch, response_len]` when the backend has them. `meta_info` may override
+    `do_sample` and `temperature` for one call (validation decodes greedily)."""
+
+    @abstractmethod
+    def generate(self, prompts: DataProto) -> DataProto: ...
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, given as (HF parameter name, full tensor) pairs, without touching disk."""
+
+    def sleep(self) -> None:
+        """Free generation memory while training runs (a no-op where the backend holds none)."""
+        return None
+
+    def wake_up(self) -> None:
+        """Restore what `sleep` freed."""
+        return None
+
+
+def register_rollout(name: str):
+    """Register a backend factory under `rollout.name`."""
+
+    def wrap(factory):
+        _BACKENDS[name] = factory
+        return factory
+
+    return wrap
+
+
+def get_rollout_class(name: str) -> Callable[..., Rollout]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown rollout backend {name!r} (rollout.name); available: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def response_mask_from_stops(responses: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
+    """1 on every token up to and including the first stop token of each row, 0 after; `[batch, response_len]`.
+    A row without a stop token (truncated) is all ones."""
+    is_stop = torch.isin(responses, torch.tensor(stop_token_ids, device=responses.device))
+    stops_before = is_stop.long().cumsum(-1) - is_stop.long()
+    return (stops_before == 0).long()
+
+
+def assemble_sequences(prompts: DataProto, responses: torch.Tensor, response_mask: torch.Tensor) -> DataProto:
+    """The rollout output fields shared by all backends (see `Rollout`)."""
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=-1)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {
+            "prompts": prompt_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompt_ids, responses], dim=-1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+        }
+    )

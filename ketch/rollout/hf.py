@@ -1,0 +1,83 @@
+"""The `hf` rollout backend: `model.generate` on a plain (unsharded) copy of the policy in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+
+from ketch.config.schema import RolloutConfig
+from ketch.protocol import DataProto
+from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops
+
+
+@register_rollout("hf")
+class HFRollout(Rollout):
+    """Generates with transformers' `generate`; returns the sampled tokens' log-probs too."""
+
+    def __init__(
+        self, model: nn.Module, config: RolloutConfig, max_response_length: int, pad_token_id: int, eos_token_id: int
+    ):
+        self.model = model.eval()
+        self.config = config
+        self.max_response_length = max_response_length
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = list(dict.fromkeys([eos_token_id, *config.stop_token_ids]))
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto) -> DataProto:
+        do_sample = prompts.meta_info.get("do_sample", self.config.do_sample)
+        temperature = prompts.meta_info.get("temperature", self.config.temperature) if do_sample else 1.0
+        device = next(self.model.parameters()).device
+        prompt_ids = prompts.batch["input_ids"].to(device)
+        out = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompts.batch["attention_mask"].to(device),
+            generation_config=self._generation_config(do_sample, temperature),
+        )
+        responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
+        if self.config.ignore_eos:
+            response_mask = torch.ones_like(responses)
+        else:
+            response_mask = response_mask_from_stops(responses, self.stop_token_ids)
+        responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
+        result = assemble_sequences(prompts.to(device), responses, response_mask)
+        result.batch["rollout_log_probs"] = self._log_probs(out.logits, responses, temperature) * response_mask
+        return result
+
+    def _generation_config(self, do_sample: bool, temperature: float) -> GenerationConfig:
+        sampling = {"temperature": temperature, "top_p": self.config.top_p, "top_k": self.config.top_k}
+        return GenerationConfig(
+            max_new_tokens=self.max_response_length,
+            do_sample=do_sample,
+            **(sampling if do_sample else {}),
+            eos_token_id=None if self.config.ignore_eos else self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+            use_cache=True,
+        )
+
+    def _pad(self, tokens: torch.Tensor) -> torch.Tensor:
+        missing = self.max_response_length - tokens.shape[-1]
+        return nn.functional.pad(tokens, (0, missing), value=self.pad_token_id) if missing else tokens
+
+    def _log_probs(self, logits: tuple[torch.Tensor, ...], responses: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Log-probs `[batch, response_len]` of the sampled tokens under the raw logits / temperature."""
+        stacked = torch.stack(logits, dim=1).float() / temperature
+        taken = responses[:, : stacked.shape[1]]
+        log_probs = stacked.log_softmax(-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
+        return self._pad_float(log_probs)
+
+    def _pad_float(self, values: torch.Tensor) -> torch.Tensor:
+        return nn.functional.pad(values, (0, self.max_response_length - values.shape[-1]))
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")
+            params[name].copy_(tensor)

@@ -1,0 +1,73 @@
+"""The built-in model: a tiny Qwen2 warmed up by a short SFT on the built-in task, cached per settings.
+
+A random model cannot do arithmetic, so `ketch train` with no arguments first fine-tunes the tiny model
+to a partly-correct state (once per machine; the result is cached under the user cache directory, keyed
+by the task, model and warm-up settings) and starts PPO from there, leaving RL room to improve it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from ketch.cache import cache_dir
+from ketch.config import KetchConfig, load_config
+from ketch.config.schema import BUILTIN_MODEL, BUILTIN_TASK
+from ketch.data import build_char_tokenizer
+from ketch.data.builtin.arithmetic import ArithmeticTask
+from ketch.models import build_tiny_model, tiny_qwen2_config
+
+logger = logging.getLogger("ketch")
+
+WARMUP_OVERRIDES = (
+    f"data.train_files=[{BUILTIN_TASK}/train]",
+    "data.val_files=[]",
+    "data.train_batch_size=64",
+    "actor.optim.lr=0.002",
+    "actor.optim.warmup_steps=20",
+    "actor.optim.lr_scheduler=cosine",
+    "actor.optim.min_lr_ratio=0.1",
+    "trainer.total_steps=300",
+    "trainer.log_interval=50",
+    "trainer.seed=0",
+)
+"""The warm-up SFT run; tuned so that PPO starts from a model that is right on a minority of problems."""
+
+
+def resolve_model_path(config: KetchConfig) -> str:
+    """`model.path`, or for the built-in model the cached warmed-up directory (built on first use)."""
+    if config.model.path != BUILTIN_MODEL:
+        return config.model.path
+    target = cache_dir() / "models" / f"tiny-arithmetic-{_settings_hash()}"
+    if not (target / "config.json").is_file():
+        _warm_up(target, config.trainer.device)
+    return str(target)
+
+
+def _settings_hash() -> str:
+    tokenizer = build_char_tokenizer()
+    model = tiny_qwen2_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
+    settings = {"task": ArithmeticTask().settings_hash, "model": model.to_dict(), "warmup": WARMUP_OVERRIDES}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _warm_up(target: Path, device: str) -> None:
+    from ketch.trainer.sft import SFTTrainer
+
+    logger.info("warming up the built-in tiny model with a short SFT (once; cached in %s)", target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".warmup-") as tmp:
+        init = Path(tmp) / "init"
+        tokenizer = build_char_tokenizer()
+        build_tiny_model(tokenizer, seed=0).save_pretrained(init)
+        tokenizer.save_pretrained(init)
+        overrides = [*WARMUP_OVERRIDES, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
+        overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
+        SFTTrainer(load_config(overrides=overrides)).fit()
+        if not (target / "config.json").is_file():
+            shutil.rmtree(target, ignore_errors=True)
+            (Path(tmp) / "warmup" / "model").rename(target)

@@ -1,0 +1,217 @@
+"""`PPOTrainer`: the driver's loop. `fit` reads as the list of stages; each stage is one short method.
+
+The driver never touches a model: every model call goes through a worker group; advantages are
+computed here because they are cheap and need all samples of a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ketch.algorithms import apply_kl_penalty, build_kl_controller, get_adv_estimator, robust_compute_advantage
+from ketch.config import KetchConfig, derive_batch_plan, to_dict
+from ketch.data import RLHFDataset, resolve_data_files
+from ketch.data.loader import PromptLoader
+from ketch.models import load_tokenizer
+from ketch.protocol import DataProto
+from ketch.rewards import RewardScorer
+from ketch.tracking import Tracker, info
+from ketch.trainer.builtin import resolve_model_path
+from ketch.trainer.groups import build_worker_groups
+from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction, validation_metrics
+
+logger = logging.getLogger("ketch")
+
+
+class PPOTrainer:
+    """PPO (actor + critic + GAE) or a critic-free estimator (GRPO, RLOO, REINFORCE++, ReMax), per config."""
+
+    def __init__(self, config: KetchConfig):
+        self.config = c = config
+        get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
+        self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
+        self.model_path = resolve_model_path(c)
+        self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
+        self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
+        self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
+        val_files = resolve_data_files(c.data.val_files)
+        self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
+        self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
+        self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
+        self.plan = derive_batch_plan(c, world_size=c.trainer.n_gpus_per_node * c.trainer.nnodes)
+        self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
+        self.step = 0
+        self.val_history: list[dict[str, float]] = []
+        self.warned_truncation = False
+
+    # ----------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, float]:
+        """Train for `total_steps`; returns the last step's metrics."""
+        self._start()
+        if self.config.trainer.val_before_train and self.val_set is not None:
+            self.tracker.log(self._validate(), step=0)
+        metrics: dict[str, float] = {}
+        while self.step < self.total_steps:
+            self.step += 1
+            metrics = self._train_step(self.loader.next_batch())
+            if self._due(self.config.trainer.test_freq) and self.val_set is not None:
+                metrics |= self._validate()
+            self.tracker.log(metrics, self.step)
+        self._finish(metrics)
+        return metrics
+
+    def _train_step(self, batch: DataProto) -> dict[str, float]:
+        timings: dict[str, float] = {}
+        step_start = time.perf_counter()
+        batch = self._expand(batch)
+        with _timed(timings, "gen"):
+            batch = self._generate(batch)
+        with _timed(timings, "reward"):
+            batch, metrics = self._score(batch)
+        with _timed(timings, "old_log_prob"):
+            batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        if self.config.use_reference:
+            with _timed(timings, "ref"):
+                batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
+        if self.config.use_critic:
+            with _timed(timings, "values"):
+                batch = batch.union(self.critic.compute_values(batch))
+        with _timed(timings, "adv"):
+            batch, kl_metrics = self._advantages(batch)
+        if self.config.use_critic:
+            with _timed(timings, "update_critic"):
+                metrics |= self.critic.update_critic(batch).meta_info["metrics"]
+        with _timed(timings, "update_actor"):
+            metrics |= self.actor_rollout.update_actor(self._for_update(batch)).meta_info["metrics"]
+        timings["step"] = time.perf_counter() - step_start
+        metrics |= kl_metrics | data_metrics(batch, self.config.data.max_response_length)
+        metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
+        metrics |= throughput_metrics(batch, timings["step"], self.plan.world_size)
+        metrics["training/epoch"] = batch.meta_info["epoch"]
+        return metrics
+
+    # ----------------------------------------------------------------- stages
+    def _expand(self, batch: DataProto) -> DataProto:
+        """Give each prompt a group id (`uid`) and repeat it `rollout.n` times, samples of a prompt adjacent."""
+        batch.non_tensor_batch["uid"] = np.array([uuid.uuid4().hex for _ in range(len(batch))], dtype=object)
+        return batch.repeat(self.config.rollout.n, interleave=True)
+
+    def _generate(self, batch: DataProto) -> DataProto:
+        """Sample responses; for ReMax also the greedy response of each prompt, whose score is the baseline."""
+        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        batch = batch.union(self.actor_rollout.generate_sequences(prompts))
+        if self.config.algorithm.adv_estimator == "remax":
+            prompts.meta_info["do_sample"] = False
+            scores, _ = self.reward(batch.select(batch_keys=[]).union(self.actor_rollout.generate_sequences(prompts)))
+            batch.batch["reward_baselines"] = scores.sum(-1)
+        self._warn_if_all_truncated(batch)
+        return batch
+
+    def _score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        scores, details = self.reward(batch)
+        batch.batch["token_level_scores"] = scores
+        metrics = {"reward/num_errors": float(details["num_errors"])}
+        metrics |= {f"reward/{k}/mean": float(np.nanmean(v)) for k, v in details["extra"].items() if v.dtype != object}
+        return batch, metrics
+
+    def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        a = self.config.algorithm
+        metrics: dict[str, float] = {}
+        if self.kl_ctrl is not None:
+            batch, metrics = apply_kl_penalty(batch, self.kl_ctrl, a.kl_penalty)
+        else:
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        batch = robust_compute_advantage(
+            batch,
+            gamma=a.gamma,
+            lam=a.lam,
+            clip_advantage=a.clip_advantage,
+            normalize_advantage=a.normalize_advantage,
+            estimator=a.adv_estimator,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+            non_finite=a.non_finite,
+        )
+        metrics["algorithm/non_finite_zeroed"] = float(batch.meta_info.pop("non_finite_zeroed", 0))
+        return batch, metrics
+
+    def _for_update(self, batch: DataProto) -> DataProto:
+        """Only what the actor update reads travels to the workers."""
+        keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_prob"]
+        keys += ["advantages"] + (["ref_log_prob"] if self.config.actor.use_kl_loss else [])
+        return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
+
+    def _validate(self) -> dict[str, float]:
+        """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""
+        v = self.config.rollout.val
+        start = time.perf_counter()
+        data = DataProto.from_single_dict(self.val_set.collate([self.val_set[i] for i in range(len(self.val_set))]))
+        data = data.repeat(v.n, interleave=True)
+        prompts = data.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        prompts.meta_info = {"do_sample": v.do_sample, "temperature": v.temperature}
+        parts = prompts.split(self.config.data.val_batch_size or len(prompts))
+        data = data.union(DataProto.concat([self.actor_rollout.generate_sequences(p) for p in parts]))
+        scores, _ = self.reward(data)
+        lengths = data.batch["response_mask"].sum(-1).numpy()
+        metrics = validation_metrics(data.non_tensor_batch["data_source"], scores.sum(-1).numpy(), lengths)
+        metrics["timing_s/testing"] = time.perf_counter() - start
+        self.val_history.append({"step": self.step, **metrics})
+        return metrics
+
+    # ----------------------------------------------------------------- helpers
+    def _start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        self.tracker = Tracker(
+            self.run_dir, self.config.trainer.logger, self.total_steps, self.config.trainer.log_interval
+        )
+        total_updates = self.total_steps * self.plan.actor.num_mini_batches * self.plan.actor.epochs
+        self.actor_rollout, self.critic = build_worker_groups(self.config, self.model_path, self.plan, total_updates)
+        info(f"run directory: {self.run_dir}; {self.total_steps} steps of {self.plan.sequences_per_step} samples")
+
+    def _due(self, freq: int) -> bool:
+        return freq > 0 and (self.step % freq == 0 or self.step == self.total_steps)
+
+    def _warn_if_all_truncated(self, batch: DataProto) -> None:
+        b = batch.batch
+        if self.warned_truncation or self.config.rollout.ignore_eos:
+            return
+        if truncated_fraction(b["responses"], b["response_mask"], self.config.data.max_response_length) == 1.0:
+            self.warned_truncation = True
+            logger.warning(
+                "every response of step %d reached data.max_response_length=%d without a stop token, so rewards "
+                "see cut-off answers; raise data.max_response_length, or check the stop tokens (the tokenizer's "
+                "EOS and rollout.stop_token_ids)",
+                self.step,
+                self.config.data.max_response_length,
+            )
+
+    def _finish(self, metrics: dict[str, float]) -> None:
+        self.tracker.event("end", step=self.step)
+        self.tracker.close()
+        info(self.summary(metrics))
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        """First vs last validation accuracy and reward, and where the outputs are."""
+        lines = [f"finished {self.step} steps; run directory {self.run_dir}"]
+        if len(self.val_history) >= 1:
+            first, last = self.val_history[0], self.val_history[-1]
+            for key in (k for k in last if k.endswith("/acc")):
+                lines.append(f"{key}: {first.get(key, float('nan')):.3f} (step {first['step']}) -> {last[key]:.3f}")
+        if "critic/score/mean" in metrics:
+            lines.append(f"reward (mean score) at the last step: {metrics['critic/score/mean']:.3f}")
+        lines.append(f"metrics: {self.run_dir / 'metrics.jsonl'}")
+        return "\n".join(lines)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], stage: str):
+    start = time.perf_counter()
+    yield
+    timings[stage] = time.perf_counter() - start

@@ -1,0 +1,6 @@
+"""Roles: thin glue between the engine, the rollout and the controller."""
+
+from ketch.workers.actor import ActorRolloutRefWorker
+from ketch.workers.critic import CriticWorker
+
+__all__ = ["ActorRolloutRefWorker", "CriticWorker"]

@@ -1,0 +1,125 @@
+"""`ActorRolloutRefWorker`: the hybrid engine. One process holds the FSDP actor, the rollout engine and,
+when KL is used, the frozen reference policy; after each update the actor's weights go to the rollout
+in memory."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty
+from ketch.config.batch import BatchPlan
+from ketch.config.schema import KetchConfig
+from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.engine.engine import TrainEngine
+from ketch.engine.heads import PolicyModel
+from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
+from ketch.protocol import DataProto
+from ketch.rollout import get_rollout_class
+from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+
+
+class ActorRolloutRefWorker(Worker):
+    """Generates, scores log-probs and trains the policy; `model_path` is a resolved HF directory or hub id."""
+
+    def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
+        super().__init__()
+        self.config, self.model_path, self.plan, self.total_updates = config, model_path, plan, total_updates
+        self.update_count = 0
+
+    @register(ONE_TO_ALL)
+    def init_model(self) -> None:
+        c = self.config
+        self.device, self.rank, _ = setup_process(c.trainer.device, c.trainer.seed)
+        self.dtype = resolve_dtype(c.model.dtype, self.device)
+        self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
+        mixed = self.dtype if self.dtype != torch.float32 else None
+        self.actor = TrainEngine(
+            PolicyModel(self._load(torch.float32)),
+            self.device,
+            c.actor.optim,
+            self.total_updates,
+            param_dtype=mixed,
+            gradient_checkpointing=c.model.gradient_checkpointing,
+        )
+        self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+        self.rollout = get_rollout_class(c.rollout.name)(
+            self._load(self.dtype).to(self.device),
+            c.rollout,
+            c.data.max_response_length,
+            self.tokenizer.pad_token_id,
+            self.tokenizer.eos_token_id,
+        )
+        self._sync_rollout()
+
+    def _load(self, dtype: torch.dtype) -> torch.nn.Module:
+        m = self.config.model
+        return load_causal_lm(self.model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+
+    @register(DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample responses for this rank's prompts (see `Rollout.generate` for the fields)."""
+        return self.rollout.generate(prompts).to("cpu")
+
+    @register(DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """`old_log_prob` and `entropy` `[batch, response_len]` under the current actor."""
+        out = self.actor.infer(
+            data, self.config.rollout.log_prob_micro_batch_size_per_device, **self._forward_kwargs(True)
+        )
+        return DataProto.from_dict({"old_log_prob": out["log_prob"].cpu(), "entropy": out["entropy"].cpu()})
+
+    @register(DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """`ref_log_prob` `[batch, response_len]` under the frozen reference policy."""
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_prob called, but no reference policy was built (KL is not used)")
+        out = self.ref.infer(data, self.config.ref.log_prob_micro_batch_size_per_device, **self._forward_kwargs(False))
+        return DataProto.from_dict({"ref_log_prob": out["log_prob"].cpu()})
+
+    def _forward_kwargs(self, calc_entropy: bool) -> dict:
+        return {"temperature": self.config.rollout.temperature, "calc_entropy": calc_entropy}
+
+    @register(DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over this rank's share, then the weight hand-off to the rollout; returns metrics."""
+        a = self.config.actor
+        max_tokens = a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
+        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        steps = [
+            self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(a.entropy_coeff != 0))
+            for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, max_tokens)
+        ]
+        self.update_count += 1
+        metrics = mean_over_steps(steps, "actor")
+        metrics["timing_s/weight_sync"] = self._sync_rollout()
+        return DataProto(meta_info={"metrics": metrics})
+
+    def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+        a, b = self.config.actor, micro.batch
+        mask, counts = b["response_mask"], {"num_tokens": num_tokens, "num_seqs": num_seqs}
+        pg_loss, pg = get_policy_loss("vanilla")(
+            b["old_log_prob"], out["log_prob"], b["advantages"], mask, a.clip_ratio_low, a.clip_ratio_high,
+            a.clip_ratio_c, a.loss_agg_mode, **counts,
+        )  # fmt: skip
+        share = token_share(micro, num_tokens)
+        metrics = {"pg_loss": pg_loss.detach()} | {k: v.detach() * share for k, v in pg.items()}
+        loss = pg_loss
+        if a.entropy_coeff:
+            entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, **counts)
+            loss = loss - a.entropy_coeff * entropy
+            metrics["entropy_loss"] = entropy.detach()
+        if a.use_kl_loss:
+            kl = agg_loss(
+                kl_penalty(out["log_prob"], b["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **counts
+            )
+            loss = loss + a.kl_loss_coef * kl
+            metrics["kl_loss"] = kl.detach()
+        return loss, metrics
+
+    def _sync_rollout(self) -> float:
+        """Hand the actor's weights to the rollout engine in memory; returns the seconds it took."""
+        start = time.perf_counter()
+        self.rollout.update_weights(self.actor.full_parameters(prefix="lm.", dtype=self.dtype))
+        return time.perf_counter() - start

@@ -1,0 +1,57 @@
+"""What the actor and critic workers share: process set-up and the epoch/mini-batch/micro-batch walk."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ketch.config.batch import UpdatePlan
+from ketch.engine.distributed import init_process_group, resolve_device
+from ketch.engine.micro import split_micro_batches
+from ketch.protocol import DataProto
+
+
+def setup_process(device_name: str, seed: int) -> tuple[torch.device, int, int]:
+    """Pick the device, join the process group and seed every RNG (per rank); returns (device, rank, world)."""
+    device = resolve_device(device_name)
+    rank, world = init_process_group(device)
+    seed_everything(seed + rank)
+    return device, rank, world
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def mini_batches(
+    data: DataProto, plan: UpdatePlan, shuffle: bool, seed: int, max_tokens: int | None = None
+) -> Iterator[list[DataProto]]:
+    """For each epoch and each mini-batch of this rank's share, its list of micro-batches.
+
+    With `shuffle`, rows are permuted each epoch by a generator seeded with `seed` and the epoch."""
+    for epoch in range(plan.epochs):
+        order = torch.arange(len(data))
+        if shuffle:
+            order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed * 1000 + epoch))
+        for mini in data.reorder(order).split(plan.mini_batch_per_device):
+            yield split_micro_batches(mini, plan.micro_batch_per_device, max_tokens)
+
+
+def mean_over_steps(step_metrics: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    """Average per-optimizer-step metrics and name them `prefix/<name>`."""
+    sums: dict[str, list[float]] = defaultdict(list)
+    for metrics in step_metrics:
+        for key, value in metrics.items():
+            sums[key].append(value)
+    return {f"{prefix}/{k}": float(np.mean(v)) for k, v in sums.items()}
+
+
+def token_share(micro: DataProto, num_tokens: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's fraction of the mini-batch's valid tokens (weights metrics so they sum exactly)."""
+    return micro.batch["response_mask"].sum() / num_tokens.clamp(min=1)

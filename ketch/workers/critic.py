@@ -1,0 +1,67 @@
+"""`CriticWorker`: the FSDP value model: per-token values and the clipped value-loss update."""
+
+from __future__ import annotations
+
+import torch
+
+from ketch.algorithms import value_loss
+from ketch.config.batch import BatchPlan
+from ketch.config.schema import KetchConfig
+from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.engine.engine import TrainEngine
+from ketch.engine.heads import ValueModel
+from ketch.models import load_critic
+from ketch.protocol import DataProto
+from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+
+
+class CriticWorker(Worker):
+    """Holds the value model; its backbone starts from `critic.model_path` or the actor's `model_path`."""
+
+    def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
+        super().__init__()
+        self.config, self.model_path, self.plan, self.total_updates = config, model_path, plan, total_updates
+        self.update_count = 0
+
+    @register(ONE_TO_ALL)
+    def init_model(self) -> None:
+        c, m = self.config, self.config.model
+        self.device, self.rank, _ = setup_process(c.trainer.device, c.trainer.seed + 104729)
+        critic = load_critic(
+            c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
+        )
+        mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
+        self.critic = TrainEngine(
+            ValueModel(critic), self.device, c.critic.optim, self.total_updates, mixed, m.gradient_checkpointing
+        )
+
+    @register(DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        """`values` `[batch, response_len]`, zero outside the response mask."""
+        out = self.critic.infer(data, self.config.critic.ppo_micro_batch_size_per_device)
+        return DataProto.from_dict({"values": out["values"].cpu() * data.batch["response_mask"]})
+
+    @register(DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """Value-loss epochs over this rank's share; returns metrics."""
+        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        steps = [
+            self.critic.train_mini_batch(micros, self._loss)
+            for micros in mini_batches(data, self.plan.critic, self.config.actor.shuffle, seed)
+        ]
+        self.update_count += 1
+        return DataProto(meta_info={"metrics": mean_over_steps(steps, "critic")})
+
+    def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+        c, b = self.config.critic, micro.batch
+        vpreds = out["values"]
+        loss, info = value_loss(
+            vpreds, b["returns"], b["values"], b["response_mask"], c.cliprange_value, c.loss_agg_mode,
+            num_tokens=num_tokens, num_seqs=num_seqs,
+        )  # fmt: skip
+        share = token_share(micro, num_tokens)
+        mask = b["response_mask"].bool()
+        vpred_mean = vpreds.detach()[mask].sum() / num_tokens.clamp(min=1)
+        return loss, {"vf_loss": loss.detach(), "vpred_mean": vpred_mean} | {
+            k: v.detach() * share for k, v in info.items()
+        }
