@@ -27,7 +27,7 @@ class DataConfig:
     """Prompts are left-padded to this many tokens; longer ones are handled per `truncation`."""
     max_response_length: int = 16
     """The most tokens the rollout generates per response."""
-    train_batch_size: int = 64
+    train_batch_size: int = 128
     """Prompts per training step."""
     val_batch_size: int | None = None
     """Prompts per validation generation call; None = the whole validation set at once."""
@@ -83,8 +83,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5))
-    """Optimizer of the policy."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    """Optimizer of the policy (the default suits the built-in tiny model; use ~1e-6 for billion-parameter models)."""
     ppo_mini_batch_size: int | None = None
     """Prompts per optimizer step (x rollout.n sequences); None = the whole batch, one step per epoch."""
     ppo_micro_batch_size_per_device: int | None = None
@@ -123,8 +123,8 @@ class CriticConfig:
     """Train a value model; None = only when algorithm.adv_estimator needs one (gae)."""
     model_path: str | None = None
     """Backbone of the critic; None = the actor's initial weights with a fresh value head."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
-    """Optimizer of the value model."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    """Optimizer of the value model (the default suits the built-in tiny model; use ~1e-5 for large models)."""
     ppo_mini_batch_size: int | None = None
     """Prompts per critic optimizer step; None = the whole batch."""
     ppo_micro_batch_size_per_device: int | None = None
@@ -233,11 +233,11 @@ class TrainerConfig:
     """Where run directories (metrics, checkpoints, exports) are written."""
     total_epochs: int = 1
     """Passes over the training prompts."""
-    total_steps: int | None = 40
+    total_steps: int | None = 300
     """Stop after this many steps (overrides total_epochs when set)."""
-    log_interval: int = 1
+    log_interval: int = 10
     """Print one summary line every this many steps."""
-    test_freq: int = 10
+    test_freq: int = 50
     """Validate every this many steps (and at the end); 0 disables periodic validation."""
     val_before_train: bool = True
     """Validate once before the first step."""

@@ -42,9 +42,10 @@ class PolicyModel(nn.Module):
         log_prob, entropy = chunked_log_probs(
             states.reshape(-1, states.shape[-1]), labels.reshape(-1), head.weight, head.bias, temperature, calc_entropy
         )
-        out = {"log_prob": log_prob.view(labels.shape)}
+        # Fresh tensors, not views: FSDP's backward hook on a root output must not be bypassed by a view.
+        out = {"log_prob": log_prob.view(labels.shape).clone()}
         if calc_entropy:
-            out["entropy"] = entropy.view(labels.shape)
+            out["entropy"] = entropy.view(labels.shape).clone()
         return out
 
 
@@ -95,4 +96,4 @@ class ValueModel(nn.Module):
         logits = self.critic(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
-        return {"values": logits[:, -response_len - 1 : -1, 0].float()}
+        return {"values": logits[:, -response_len - 1 : -1, 0].float().clone()}

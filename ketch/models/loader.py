@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
@@ -27,6 +28,7 @@ def quiet_transformers() -> None:
     """Silence transformers' per-load progress bars and load reports (ketch logs what matters)."""
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:

@@ -7,16 +7,15 @@ from ketch.controller import LocalWorkerGroup
 from ketch.workers import ActorRolloutRefWorker, CriticWorker
 
 
-def build_worker_groups(config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
-    """(actor_rollout group, critic group or None), each with its models loaded."""
-    actor_rollout = LocalWorkerGroup(
-        ActorRolloutRefWorker, config, model_path, plan, total_updates, role="actor_rollout"
-    )
-    actor_rollout.init_model()
-    critic = None
-    if config.use_critic:
-        critic_updates = total_updates // plan.actor.num_mini_batches // plan.actor.epochs
-        critic_updates *= plan.critic.num_mini_batches * plan.critic.epochs
-        critic = LocalWorkerGroup(CriticWorker, config, model_path, plan, critic_updates, role="critic")
-        critic.init_model()
-    return actor_rollout, critic
+def build_actor_group(config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
+    """The actor + rollout (+ reference) group, models loaded; `total_updates` sizes the lr schedule."""
+    group = LocalWorkerGroup(ActorRolloutRefWorker, config, model_path, plan, total_updates, role="actor_rollout")
+    group.init_model()
+    return group
+
+
+def build_critic_group(config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
+    """The critic group, model loaded."""
+    group = LocalWorkerGroup(CriticWorker, config, model_path, plan, total_updates, role="critic")
+    group.init_model()
+    return group

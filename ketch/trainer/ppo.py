@@ -24,8 +24,9 @@ from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
-from ketch.trainer.groups import build_worker_groups
-from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction, validation_metrics
+from ketch.trainer.groups import build_actor_group, build_critic_group
+from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
+from ketch.trainer.validation import generate_and_score
 
 logger = logging.getLogger("ketch")
 
@@ -149,18 +150,10 @@ class PPOTrainer:
 
     def _validate(self) -> dict[str, float]:
         """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""
-        v = self.config.rollout.val
-        start = time.perf_counter()
-        data = DataProto.from_single_dict(self.val_set.collate([self.val_set[i] for i in range(len(self.val_set))]))
-        data = data.repeat(v.n, interleave=True)
-        prompts = data.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
-        prompts.meta_info = {"do_sample": v.do_sample, "temperature": v.temperature}
-        parts = prompts.split(self.config.data.val_batch_size or len(prompts))
-        data = data.union(DataProto.concat([self.actor_rollout.generate_sequences(p) for p in parts]))
-        scores, _ = self.reward(data)
-        lengths = data.batch["response_mask"].sum(-1).numpy()
-        metrics = validation_metrics(data.non_tensor_batch["data_source"], scores.sum(-1).numpy(), lengths)
-        metrics["timing_s/testing"] = time.perf_counter() - start
+        c = self.config
+        metrics = generate_and_score(
+            self.actor_rollout, self.val_set, self.reward, c.rollout.val, c.data.val_batch_size
+        )
         self.val_history.append({"step": self.step, **metrics})
         return metrics
 
@@ -171,8 +164,14 @@ class PPOTrainer:
         self.tracker = Tracker(
             self.run_dir, self.config.trainer.logger, self.total_steps, self.config.trainer.log_interval
         )
-        total_updates = self.total_steps * self.plan.actor.num_mini_batches * self.plan.actor.epochs
-        self.actor_rollout, self.critic = build_worker_groups(self.config, self.model_path, self.plan, total_updates)
+        p, steps = self.plan, self.total_steps
+        self.actor_rollout = build_actor_group(
+            self.config, self.model_path, p, steps * p.actor.num_mini_batches * p.actor.epochs
+        )
+        self.critic = None
+        if self.config.use_critic:
+            updates = steps * p.critic.num_mini_batches * p.critic.epochs
+            self.critic = build_critic_group(self.config, self.model_path, p, updates)
         info(f"run directory: {self.run_dir}; {self.total_steps} steps of {self.plan.sequences_per_step} samples")
 
     def _due(self, freq: int) -> bool:

@@ -2,48 +2,61 @@
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from pathlib import Path
 
-from ketch.config import KetchConfig
-from ketch.controller import LocalWorkerGroup
-from ketch.data import SFTDataset, resolve_data_files
+from ketch.config import KetchConfig, derive_batch_plan
+from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
+from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
-from ketch.workers.sft import SFTWorker
+from ketch.trainer.groups import build_actor_group
+from ketch.trainer.validation import generate_and_score
 
 
 class SFTTrainer:
-    """Trains `model_path` on `data.train_files` (columns `data.prompt_key`, `data.response_key`) and
-    writes the result as a Hugging Face directory `<run dir>/model`."""
+    """Trains `model.path` on `data.train_files` (columns `data.prompt_key`, `data.response_key`) and writes
+    the result as a Hugging Face directory `<run dir>/model`.
 
-    def __init__(self, config: KetchConfig, model_path: str | None = None):
+    Validation every `trainer.test_freq` steps reports `val/loss` and, when the validation rows carry a
+    ground truth (`answer` or `reward_model.ground_truth`), the greedy accuracy `val/<data_source>/acc`."""
+
+    def __init__(self, config: KetchConfig):
         self.config = c = config
-        self.model_path = model_path or c.model.path
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
-        tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
+        tokenizer = load_tokenizer(c.model.tokenizer_path or c.model.path, c.model.trust_remote_code)
         self.train_set = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = SFTDataset(val_files, tokenizer, c.data) if val_files else None
+        self.val_prompts = RLHFDataset(val_files, tokenizer, c.data) if val_files else None
+        if self.val_prompts is not None and self.val_prompts[0]["ground_truth"] is None:
+            self.val_prompts = None
+        self.reward = RewardScorer(tokenizer, c.reward.function, c.reward.on_error)
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
 
-    def fit(self) -> dict[str, float]:
-        """Train, validate every `trainer.test_freq` steps, save; returns the last metrics."""
-        tracker = Tracker(self.run_dir, self.config.trainer.logger, self.total_steps, self.config.trainer.log_interval)
-        group = LocalWorkerGroup(SFTWorker, self.config, self.model_path, self.total_steps, role="sft")
-        group.init_model()
+    def fit(self, stop_when: Callable[[dict[str, float]], bool] | None = None) -> dict[str, float]:
+        """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`,
+        given the metrics of a validated step, ends training early when it returns True."""
+        c = self.config
+        tracker = Tracker(self.run_dir, c.trainer.logger, self.total_steps, c.trainer.log_interval)
+        plan = derive_batch_plan(c, world_size=c.trainer.n_gpus_per_node * c.trainer.nnodes)
+        group = build_actor_group(c, c.model.path, plan, self.total_steps)
         metrics: dict[str, float] = {}
         for step in range(1, self.total_steps + 1):
-            metrics = group.train_step(self.loader.next_batch()).meta_info["metrics"]
-            if self.val_set is not None and self._due(step):
-                metrics["val/loss"] = self._val_loss(group)
+            metrics = group.sft_step(self.loader.next_batch()).meta_info["metrics"]
+            validated = self.val_set is not None and self._due(step)
+            if validated:
+                metrics |= self._validate(group)
             tracker.log(metrics, step)
-            if step % self.config.trainer.log_interval == 0:
-                shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in ("sft/loss", "val/loss"))
+            if step % c.trainer.log_interval == 0 or validated:
+                shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k == "sft/loss" or k.startswith("val/"))
                 info(f"SFT step {step}/{self.total_steps}: {shown}", tracker.bar)
+            if validated and stop_when is not None and stop_when(metrics):
+                info(f"SFT stopped early at step {step}")
+                break
         group.save_pretrained(str(self.run_dir / "model"))
         tracker.close()
         info(f"SFT finished: model saved to {self.run_dir / 'model'}")
@@ -53,10 +66,13 @@ class SFTTrainer:
         freq = self.config.trainer.test_freq
         return freq > 0 and (step % freq == 0 or step == self.total_steps)
 
-    def _val_loss(self, group) -> float:
-        """Mean negative log-likelihood per target token over the validation set."""
+    def _validate(self, group) -> dict[str, float]:
+        """`val/loss` (mean NLL per target token) and, where ground truth exists, the greedy accuracy."""
         data = DataProto.from_single_dict(self.val_set.collate([self.val_set[i] for i in range(len(self.val_set))]))
-        out = group.token_log_probs(data)
-        mask = out.batch["response_mask"]
-        nll = -(out.batch["log_prob"] * mask).sum() / mask.sum().clamp(min=1)
-        return nll.item() if math.isfinite(nll.item()) else float("nan")
+        out = group.sft_log_prob(data).batch
+        metrics = {"val/loss": (-(out["log_prob"] * out["response_mask"]).sum() / out["response_mask"].sum()).item()}
+        if self.val_prompts is not None:
+            group.sync_rollout()
+            c = self.config
+            metrics |= generate_and_score(group, self.val_prompts, self.reward, c.rollout.val, c.data.val_batch_size)
+        return metrics

@@ -13,7 +13,9 @@ from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.engine import TrainEngine
+from ketch.engine.export import save_hf_model
 from ketch.engine.heads import PolicyModel
+from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import get_rollout_class
@@ -51,6 +53,7 @@ class ActorRolloutRefWorker(Worker):
             self.tokenizer.pad_token_id,
             self.tokenizer.eos_token_id,
         )
+        self.hf_config = self.actor.module.lm.config
         self._sync_rollout()
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
@@ -123,3 +126,49 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         self.rollout.update_weights(self.actor.full_parameters(prefix="lm.", dtype=self.dtype))
         return time.perf_counter() - start
+
+    # ----------------------------------------------------------------- supervised fine-tuning
+    @register(DP_COMPUTE_PROTO)
+    def sft_step(self, data: DataProto) -> DataProto:
+        """One maximum-likelihood optimizer step on SFT rows (`input_ids`, `attention_mask`, `position_ids`,
+        `loss_mask` `[batch, seq]`), micro-batched like the actor update; returns `sft/loss`, `sft/grad_norm`,
+        `sft/lr`. The rollout engine is not updated (call `sync_rollout` before generating)."""
+        batch = as_next_token_batch(data)
+        micros = split_micro_batches(batch, self.config.actor.ppo_micro_batch_size_per_device)
+        metrics = self.actor.train_mini_batch(micros, _nll_loss)
+        return DataProto(meta_info={"metrics": {f"sft/{k}": v for k, v in metrics.items() if k != "skipped_steps"}})
+
+    @register(DP_COMPUTE_PROTO)
+    def sft_log_prob(self, data: DataProto) -> DataProto:
+        """`log_prob` and `response_mask` `[batch, seq - 1]` of SFT rows' target tokens (validation loss)."""
+        batch = as_next_token_batch(data)
+        out = self.actor.infer(batch, self.config.actor.ppo_micro_batch_size_per_device)
+        return DataProto.from_dict({"log_prob": out["log_prob"].cpu(), "response_mask": batch.batch["response_mask"]})
+
+    @register(ONE_TO_ALL)
+    def sync_rollout(self) -> float:
+        return self._sync_rollout()
+
+    @register(ONE_TO_ALL)
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write the actor and tokenizer as a Hugging Face directory (every rank gathers, rank 0 writes)."""
+        save_hf_model(self.actor, "lm.", self.hf_config, out_dir, self.rank, self.tokenizer)
+
+
+def as_next_token_batch(data: DataProto) -> DataProto:
+    """SFT rows as the engine's response layout: every token after the first is a "response" token,
+    scored where `loss_mask` (and the attention mask) is 1; shapes `[batch, seq - 1]`."""
+    b = data.batch
+    return DataProto.from_dict(
+        {
+            "input_ids": b["input_ids"],
+            "attention_mask": b["attention_mask"],
+            "position_ids": b["position_ids"],
+            "responses": b["input_ids"][:, 1:],
+            "response_mask": b["loss_mask"][:, 1:] * b["attention_mask"][:, 1:],
+        }
+    )
+
+
+def _nll_loss(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+    return agg_loss(-out["log_prob"], micro.batch["response_mask"], "token-mean", num_tokens=num_tokens), {}

@@ -90,7 +90,7 @@ def test_unknown_operator_is_rejected():
 
 def test_more_problems_than_the_settings_allow_is_rejected():
     with pytest.raises(ValueError, match="asks for 150 distinct problems but its settings allow 200"):
-        ArithmeticTask(max_digits=1, num_train=100, num_val=50)
+        ArithmeticTask(max_digits=1, ops=("+", "-"), num_train=100, num_val=50)
 
 
 def test_write_arithmetic_task_writes_both_splits(tmp_path: Path):

@@ -34,9 +34,9 @@ class ArithmeticTask:
     """Settings of the generated problems; operands have `min_digits` to `max_digits` digits."""
 
     min_digits: int = 1
-    max_digits: int = 3
-    ops: tuple[str, ...] = ("+", "-")
-    num_train: int = 20000
+    max_digits: int = 2
+    ops: tuple[str, ...] = ("+",)
+    num_train: int = 4700
     num_val: int = 256
     seed: int = 0
 
