@@ -106,4 +106,4 @@ def _plain(value: Any) -> Any:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The step records of a `metrics.jsonl` (events skipped)."""
     with open(path) as f:
-        return [r for line in f if line.strip() and "step" in (r := json.loads(line))]
+        return [r for line in f if line.strip() and "event" not in (r := json.loads(line))]

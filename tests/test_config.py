@@ -67,7 +67,7 @@ def test_missing_yaml_file_is_named(tmp_path):
 
 
 def test_mini_batch_that_does_not_divide_names_both_keys():
-    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=7 must divide data.train_batch_size=64"):
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=7 must divide data.train_batch_size=128"):
         load_config(overrides=["actor.ppo_mini_batch_size=7"])
 
 

@@ -83,7 +83,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
     """Optimizer of the policy (the default suits the built-in tiny model; use ~1e-6 for billion-parameter models)."""
     ppo_mini_batch_size: int | None = None
     """Prompts per optimizer step (x rollout.n sequences); None = the whole batch, one step per epoch."""

@@ -19,7 +19,7 @@ from ketch.algorithms import apply_kl_penalty, build_kl_controller, get_adv_esti
 from ketch.config import KetchConfig, derive_batch_plan, to_dict
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
-from ketch.models import load_tokenizer
+from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
@@ -39,6 +39,7 @@ class PPOTrainer:
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
+        load_model_config(self.model_path, c.model.trust_remote_code)  # a bad model path fails before any work
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)

@@ -1,0 +1,78 @@
+"""Shared fixtures: a private cache, a tiny random model and a small arithmetic task, all built locally."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from ketch.config import load_config
+from ketch.data import build_char_tokenizer
+from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """KETCH_CACHE_DIR points at a session directory: the user's cache is never read or written."""
+    path = tmp_path_factory.mktemp("ketch-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KETCH_CACHE_DIR", str(path))
+        yield path
+
+
+def save_tiny_model(path: Path, seed: int = 0, tokenizer=None) -> Path:
+    """A 2-layer, 32-wide random Qwen2 and the character tokenizer, saved as a HF directory."""
+    tokenizer = tokenizer or build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """train/val Parquet files of a small arithmetic task."""
+    task = ArithmeticTask(max_digits=2, num_train=256, num_val=16, seed=3)
+    return write_arithmetic_task(tmp_path_factory.mktemp("task"), task)
+
+
+@pytest.fixture
+def tiny_config(tiny_model_dir: Path, task_files: dict[str, Path], tmp_path: Path):
+    """tiny_config(*overrides): a fast config on the tiny model and task, writing under tmp_path."""
+
+    def make(*overrides: str):
+        base = [
+            f"model.path={tiny_model_dir}",
+            f"data.train_files=[{task_files['train']}]",
+            f"data.val_files=[{task_files['val']}]",
+            "data.train_batch_size=8",
+            "data.max_response_length=8",
+            "trainer.total_steps=2",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "trainer.device=cpu",
+            f"trainer.default_local_dir={tmp_path / 'runs'}",
+        ]
+        return load_config(overrides=[*base, *overrides])
+
+    return make

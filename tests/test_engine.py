@@ -1,0 +1,89 @@
+"""The FSDP2 training engine: global loss normalisation and log-probs that agree with the rollout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ketch.algorithms import policy_loss
+from ketch.config.schema import OptimConfig
+from ketch.engine.distributed import init_process_group
+from ketch.engine.engine import TrainEngine
+from ketch.engine.heads import PolicyModel, chunked_log_probs
+from ketch.engine.micro import split_micro_batches
+from ketch.models import load_causal_lm
+from ketch.protocol import DataProto
+
+CPU = torch.device("cpu")
+
+
+def make_batch(vocab: int, rows: int = 8, prompt_len: int = 5, response_len: int = 6) -> DataProto:
+    """Random sequences; response lengths 1..6 so that rows hold different numbers of valid tokens."""
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, vocab, (rows, prompt_len + response_len), generator=g)
+    lengths = torch.tensor([1, 6, 3, 6, 2, 5, 4, 6])[:rows]
+    response_mask = (torch.arange(response_len) < lengths[:, None]).long()
+    attention_mask = torch.cat([torch.ones(rows, prompt_len, dtype=torch.long), response_mask], dim=1)
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "responses": input_ids[:, prompt_len:],
+            "response_mask": response_mask,
+            "old_log_prob": -torch.rand(rows, response_len, generator=g) * 3,
+            "advantages": torch.randn(rows, response_len, generator=g),
+        }
+    )
+
+
+def engine_for(model_dir) -> TrainEngine:
+    init_process_group(CPU)
+    lm = load_causal_lm(str(model_dir), torch.float32, "eager")
+    return TrainEngine(PolicyModel(lm), CPU, OptimConfig(lr=0.0, grad_clip=0.0), total_steps=1)
+
+
+def grads(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_gradient_is_the_same_for_one_micro_batch_of_8_and_8_of_1(tiny_model_dir, mode):
+    def loss_fn(out, micro, num_tokens, num_seqs):
+        b = micro.batch
+        loss, _ = policy_loss(
+            b["old_log_prob"], out["log_prob"], b["advantages"], b["response_mask"], loss_agg_mode=mode,
+            num_tokens=num_tokens, num_seqs=num_seqs,
+        )  # fmt: skip
+        return loss, {}
+
+    whole, split = engine_for(tiny_model_dir), engine_for(tiny_model_dir)
+    data = make_batch(vocab=100)
+    metrics_whole = whole.train_mini_batch(split_micro_batches(data, 8), loss_fn)
+    metrics_split = split.train_mini_batch(split_micro_batches(data, 1), loss_fn)
+    assert metrics_split["loss"] == pytest.approx(metrics_whole["loss"], abs=1e-6)
+    g_whole, g_split = grads(whole), grads(split)
+    for name in g_whole:
+        torch.testing.assert_close(g_split[name], g_whole[name], atol=1e-6, rtol=1e-5)
+
+
+def test_token_budget_micro_batches_keep_order_and_respect_the_budget():
+    data = make_batch(vocab=100)
+    lengths = data.batch["attention_mask"].sum(-1).tolist()  # [6, 11, 8, 11, 7, 10, 9, 11]
+    parts = split_micro_batches(data, None, max_tokens=20)
+    assert [len(p) for p in parts] == [2, 2, 2, 2]  # 6+11, 8+11, 7+10, 9+11
+    assert all(p.batch["attention_mask"].sum() <= 20 for p in parts)
+    assert torch.equal(DataProto.concat(parts).batch["input_ids"], data.batch["input_ids"])
+    assert lengths == [6, 11, 8, 11, 7, 10, 9, 11]
+
+
+def test_chunked_log_probs_equal_the_full_softmax():
+    g = torch.Generator().manual_seed(1)
+    states, weight = torch.randn(10, 8, generator=g), torch.randn(30, 8, generator=g)
+    labels = torch.randint(0, 30, (10,), generator=g)
+    log_prob, entropy = chunked_log_probs(states, labels, weight, None, temperature=0.7, calc_entropy=True, chunk=3)
+    logits = (states @ weight.T) / 0.7
+    expected = logits.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    torch.testing.assert_close(log_prob, expected)
+    expected_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(entropy, expected_entropy)

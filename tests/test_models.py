@@ -1,0 +1,70 @@
+"""Model and tokenizer loading: config fix-ups, the critic head, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from ketch.models import ModelLoadError, load_causal_lm, load_critic, load_tokenizer
+
+
+def test_missing_model_directory_names_the_path_and_the_key(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"model path '.*nowhere' is not a directory; check model.path"):
+        load_causal_lm(str(tmp_path / "nowhere"))
+
+
+def _rewrite_config(model_dir, tmp_path, edit) -> str:
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    edit(config)
+    (copy / "config.json").write_text(json.dumps(config))
+    return str(copy)
+
+
+def test_a_config_without_rope_settings_loads_with_defaults(tiny_model_dir, tmp_path):
+    def drop_rope(config):
+        config.pop("rope_scaling", None)
+        config.pop("rope_parameters", None)
+
+    model = load_causal_lm(_rewrite_config(tiny_model_dir, tmp_path, drop_rope))
+    assert model.config.num_hidden_layers == 2
+
+
+def test_an_old_style_rope_scaling_with_type_loads(tiny_model_dir, tmp_path):
+    def old_rope(config):
+        config.pop("rope_parameters", None)
+        config["rope_scaling"] = {"type": "linear", "factor": 2.0}
+        config["rope_theta"] = 10000.0
+
+    model = load_causal_lm(_rewrite_config(tiny_model_dir, tmp_path, old_rope))
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, model.config.vocab_size)
+
+
+def test_override_config_is_applied(tiny_model_dir):
+    model = load_causal_lm(str(tiny_model_dir), override_config={"attention_dropout": 0.25})
+    assert model.config.attention_dropout == 0.25
+
+
+def test_critic_has_a_scalar_head_on_the_actor_backbone(tiny_model_dir):
+    actor = load_causal_lm(str(tiny_model_dir))
+    critic = load_critic(str(tiny_model_dir))
+    assert critic.score.out_features == 1
+    torch.testing.assert_close(critic.model.embed_tokens.weight, actor.model.embed_tokens.weight)
+    assert critic(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
+
+
+def test_tokenizer_without_pad_token_uses_eos(tiny_model_dir, tmp_path, caplog):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path / "tok")
+    with caplog.at_level(logging.WARNING, logger="ketch.models"):
+        loaded = load_tokenizer(str(tmp_path / "tok"))
+    assert loaded.pad_token_id == loaded.eos_token_id == 1
+    assert loaded.padding_side == "left"
+    assert "has no pad token; using its EOS token" in caplog.text

@@ -1,0 +1,88 @@
+"""The hf rollout inside the actor worker: stop tokens, log-probs and the in-memory weight hand-off."""
+
+from __future__ import annotations
+
+import torch
+
+from ketch.config import derive_batch_plan
+from ketch.controller import LocalWorkerGroup
+from ketch.data import RLHFDataset, build_char_tokenizer
+from ketch.protocol import DataProto
+from ketch.rollout import response_mask_from_stops
+from ketch.workers import ActorRolloutRefWorker
+
+
+def test_response_mask_keeps_the_first_stop_token_and_masks_the_rest():
+    responses = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [9, 9, 9, 2]])
+    mask = response_mask_from_stops(responses, stop_token_ids=[1, 2])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+
+
+def actor_group(config):
+    group = LocalWorkerGroup(ActorRolloutRefWorker, config, config.model.path, derive_batch_plan(config), 10)
+    group.init_model()
+    return group
+
+
+def prompts(config, rows: int = 8) -> DataProto:
+    dataset = RLHFDataset(config.data.train_files, build_char_tokenizer(), config.data)
+    batch = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(rows)]))
+    return batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_keys=[])
+
+
+def test_responses_end_at_the_first_stop_token(tiny_config):
+    # The random model rarely says EOS, so make '#' (id 8) a stop token: it is common in any output.
+    config = tiny_config("rollout.stop_token_ids=[8, 21, 22]", "data.max_response_length=12")
+    out = actor_group(config).generate_sequences(prompts(config, rows=16)).batch
+    responses, mask = out["responses"], out["response_mask"]
+    assert responses.shape == mask.shape == (16, 12)
+    stops = torch.isin(responses, torch.tensor([1, 8, 21, 22]))
+    stopped = 0
+    for row, row_mask, row_stops in zip(responses, mask, stops, strict=True):
+        length = int(row_mask.sum())
+        if row_stops[:length].any():
+            first = int(row_stops.nonzero()[0])
+            assert length == first + 1, "the stop token itself is kept"
+            stopped += 1
+        assert (row[length:] == 0).all(), "tokens after the stop are padding"
+    assert stopped > 0
+    assert out["input_ids"].shape[-1] == out["prompts"].shape[-1] + 12
+
+
+def test_training_log_probs_match_the_rollouts_in_float32(tiny_config):
+    config = tiny_config("rollout.temperature=0.8", "data.max_response_length=10")
+    group = actor_group(config)
+    data = group.generate_sequences(prompts(config))
+    old = group.compute_log_prob(data).batch["old_log_prob"]
+    mask = data.batch["response_mask"].bool()
+    # Same weights, float32: the training forward and the cached decoding differ only by rounding.
+    torch.testing.assert_close(old[mask], data.batch["rollout_log_probs"][mask], atol=1e-4, rtol=0)
+
+
+def test_weight_hand_off_changes_what_the_rollout_generates(tiny_config):
+    config = tiny_config("actor.optim.lr=0.05", "rollout.do_sample=false")
+    group = actor_group(config)
+    batch = prompts(config)
+    batch.meta_info["do_sample"] = False
+    before = group.generate_sequences(batch)
+    update = before.union(group.compute_log_prob(before))
+    update.batch["advantages"] = torch.randn(update.batch["response_mask"].shape)
+    metrics = group.update_actor(update).meta_info["metrics"]
+    after = group.generate_sequences(batch)
+    assert not torch.equal(after.batch["responses"], before.batch["responses"])
+    assert metrics["timing_s/weight_sync"] >= 0
+    worker = group.worker
+    rollout_params = dict(worker.rollout.model.named_parameters())
+    for name, tensor in worker.actor.full_parameters(prefix="lm."):
+        assert torch.equal(rollout_params[name], tensor), name
+
+
+def test_update_actor_reports_its_metrics(tiny_config):
+    config = tiny_config()
+    group = actor_group(config)
+    data = group.generate_sequences(prompts(config))
+    data = data.union(group.compute_log_prob(data))
+    data.batch["advantages"] = torch.ones(data.batch["response_mask"].shape)
+    metrics = group.update_actor(data).meta_info["metrics"]
+    expected = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm"}
+    assert expected | {"actor/lr", "actor/loss", "timing_s/weight_sync"} <= set(metrics)

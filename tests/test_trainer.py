@@ -1,0 +1,120 @@
+"""PPOTrainer end to end on a tiny random model: every estimator runs a step; logs and metrics files."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from ketch.protocol import DataProto
+from ketch.tracking import format_step_line, read_metrics
+from ketch.trainer.ppo import PPOTrainer
+
+
+def run(config) -> tuple[PPOTrainer, dict[str, float]]:
+    trainer = PPOTrainer(config)
+    metrics = trainer.fit()
+    return trainer, metrics
+
+
+def actor_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in trainer.actor_rollout.worker.actor.full_parameters(prefix="lm.")}
+
+
+def test_one_ppo_step_with_critic_and_kl_in_the_reward_updates_both_models(tiny_config):
+    config = tiny_config("trainer.total_steps=1", "algorithm.use_kl_in_reward=true", "actor.optim.lr=0.01")
+    trainer = PPOTrainer(config)
+    trainer._start()
+    before = actor_weights(trainer)
+    critic_before = {n: p.full_tensor().clone() for n, p in trainer.critic.worker.critic.module.named_parameters()}
+    trainer.step = 1
+    metrics = trainer._train_step(trainer.loader.next_batch())
+    after = actor_weights(trainer)
+    assert all(not torch.equal(before[n], after[n]) for n in before if "layers.0" in n)
+    critic_after = dict(trainer.critic.worker.critic.module.named_parameters())
+    assert not torch.equal(critic_before["critic.score.weight"], critic_after["critic.score.weight"].full_tensor())
+    expected = {"critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/vf_explained_var"}
+    expected |= {"actor/pg_loss", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "timing_s/ref"}
+    assert expected <= set(metrics)
+    assert metrics["actor/reward_kl_penalty_coeff"] == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("algorithm.adv_estimator=grpo", "rollout.n=4", "actor.use_kl_loss=true"),
+        ("algorithm.adv_estimator=rloo", "rollout.n=2"),
+        ("algorithm.adv_estimator=reinforce_plus_plus",),
+        ("algorithm.adv_estimator=remax",),
+    ],
+    ids=["grpo", "rloo", "reinforce_plus_plus", "remax"],
+)
+def test_one_step_of_each_critic_free_estimator(tiny_config, overrides):
+    trainer, metrics = run(tiny_config("trainer.total_steps=1", *overrides))
+    assert trainer.critic is None
+    assert "critic/vf_loss" not in metrics and "timing_s/values" not in metrics
+    assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+    if "actor.use_kl_loss=true" in overrides:
+        assert "actor/kl_loss" in metrics and "timing_s/ref" in metrics
+
+
+def test_grpo_groups_share_a_uid_and_have_n_samples(tiny_config):
+    trainer = PPOTrainer(tiny_config("algorithm.adv_estimator=grpo", "rollout.n=3"))
+    batch = trainer._expand(trainer.loader.next_batch())
+    uids = batch.non_tensor_batch["uid"].tolist()
+    assert len(uids) == 24 and len(set(uids)) == 8
+    assert all(uids[i] == uids[i - i % 3] for i in range(24))
+
+
+def test_metrics_jsonl_has_every_step_and_an_end_event(tiny_config):
+    trainer, _ = run(tiny_config("trainer.total_steps=2", "trainer.test_freq=2", "trainer.val_before_train=true"))
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    expected = {
+        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
+        "critic/vf_explained_var", "critic/score/mean", "response_length/mean", "response_length/clip_ratio",
+        "timing_s/gen", "timing_s/update_actor", "perf/throughput", "val/ketch/arithmetic/acc",
+    }  # fmt: skip
+    assert expected <= set(records[2])
+    assert set(records[0]) == {"step", "val/ketch/arithmetic/acc", "val/response_length/mean", "timing_s/testing"}
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["event"] == "end"
+    assert json.loads((trainer.run_dir / "config.json").read_text())["trainer"]["total_steps"] == 2
+
+
+def test_console_line_has_the_documented_shape():
+    metrics = {
+        "timing_s/gen": 0.821,
+        "timing_s/values": 0.31,
+        "timing_s/adv": 0.149,
+        "timing_s/step": 2.0,
+        "actor/pg_loss": 0.4213,
+        "critic/vf_loss": 0.8761,
+        "actor/reward_kl_penalty": 0.0121,
+        "critic/score/mean": 2.181,
+        "critic/score/std": 0.43,
+        "response_length/mean": 42.71,
+    }
+    assert format_step_line(10, metrics) == (
+        "Step 10: timing/gen=0.82s, timing/values=0.31s, timing/adv=0.15s, loss/actor=0.421, loss/critic=0.876, "
+        "kl_divergence=0.012, reward_mean=2.18, reward_std=0.43, response_len_mean=42.7"
+    )
+
+
+def test_console_logs_every_log_interval(tiny_config, caplog):
+    with caplog.at_level(logging.INFO, logger="ketch"):
+        run(tiny_config("trainer.total_steps=2", "trainer.logger=[console,jsonl]", "trainer.log_interval=2"))
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Step ")]
+    assert len(steps) == 1 and steps[0].startswith("Step 2: timing/gen=")
+
+
+def test_all_truncated_responses_get_a_clear_warning_once(tiny_config, caplog):
+    trainer = PPOTrainer(tiny_config("data.max_response_length=3"))
+    cut_off = DataProto.from_dict({"responses": torch.full((2, 3), 9), "response_mask": torch.ones(2, 3)})
+    with caplog.at_level(logging.WARNING, logger="ketch"):
+        trainer._warn_if_all_truncated(cut_off)
+        trainer._warn_if_all_truncated(cut_off)
+    assert caplog.text.count("reached data.max_response_length=3 without a stop token") == 1
+    assert "rollout.stop_token_ids" in caplog.text
