@@ -195,6 +195,19 @@ class DataProto:
         data = torch.load(path, weights_only=False)
         return cls(data["batch"], data["non_tensor_batch"], data["meta_info"])
 
+    def __getstate__(self) -> dict[str, Any]:
+        # CPU tensors travel as numpy arrays, which pickle protocol 5 (and Ray) move without extra copies.
+        batch = {
+            k: v.numpy() if v.device.type == "cpu" and v.dtype != torch.bfloat16 else v for k, v in self.batch.items()
+        }
+        return {"batch": batch, "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.batch = {
+            k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in state["batch"].items()
+        }
+        self.non_tensor_batch, self.meta_info = state["non_tensor_batch"], state["meta_info"]
+
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) for k, v in self.batch.items()}
         non_tensor, meta = list(self.non_tensor_batch), list(self.meta_info)

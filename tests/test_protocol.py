@@ -108,3 +108,14 @@ def test_pad_chunk_concat_unpad_is_the_identity(n, k):
     back = unpad(DataProto.concat(padded.chunk(k)), pad)
     assert torch.equal(back.batch["x"], data.batch["x"])
     assert back.non_tensor_batch["uid"].tolist() == data.non_tensor_batch["uid"].tolist()
+
+
+def test_pickling_keeps_tensors_dtypes_and_objects():
+    import pickle
+
+    data = make()
+    data.batch["half"] = torch.ones(4, 2, dtype=torch.bfloat16)
+    back = pickle.loads(pickle.dumps(data, protocol=5))
+    assert torch.equal(back.batch["x"], data.batch["x"]) and back.batch["half"].dtype == torch.bfloat16
+    back.batch["x"] += 1  # writable, not a view of the pickle buffer
+    assert back.non_tensor_batch["uid"].tolist() == ["u0", "u1", "u2", "u3"] and back.meta_info == {"t": 1.0}

@@ -250,9 +250,20 @@ class TrainerConfig:
     seed: int = 1
     """Seed of data order, sampling and initialisation."""
     n_gpus_per_node: int = 1
-    """Devices per node used by the workers."""
+    """GPUs per node used by the workers (when the workers run on GPUs)."""
+    n_cpu_workers: int = 1
+    """Worker processes per node when the workers run on CPUs (FSDP over gloo when > 1)."""
     nnodes: int = 1
     """Nodes used by the workers."""
+    backend: Literal["auto", "local", "ray"] = "auto"
+    """Where workers run: in this process (local), in Ray actors (ray); auto = ray when more than one
+    worker process, more than one node or a trainer.ray_address is asked for."""
+    placement: Literal["colocate", "split"] = "colocate"
+    """Ray: all roles of a rank in one process per device (colocate), or the critic on a pool of its own (split)."""
+    ray_address: str | None = None
+    """Ray cluster to join: None starts a local Ray instance; `auto` or HOST:PORT joins a running cluster."""
+    worker_timeout: float | None = 3600.0
+    """Seconds a worker call may take before the run stops with an error naming the rank; None waits forever."""
 
 
 @dataclass(frozen=True)
@@ -273,6 +284,21 @@ class KetchConfig:
         if self.critic.enable is not None:
             return self.critic.enable
         return self.algorithm.adv_estimator == "gae"
+
+    def uses_gpu(self, gpu_visible: bool) -> bool:
+        """Whether the workers run on GPUs (`gpu_visible`: does this machine see one, for device=auto)."""
+        return self.trainer.device == "cuda" or (self.trainer.device == "auto" and gpu_visible)
+
+    def world_size(self, gpu_visible: bool) -> int:
+        """Data-parallel worker processes over all nodes."""
+        t = self.trainer
+        return t.nnodes * (t.n_gpus_per_node if self.uses_gpu(gpu_visible) else t.n_cpu_workers)
+
+    def uses_ray(self, gpu_visible: bool) -> bool:
+        """The backend that `trainer.backend` resolves to (see its documentation)."""
+        if self.trainer.backend != "auto":
+            return self.trainer.backend == "ray"
+        return self.world_size(gpu_visible) > 1 or self.trainer.nnodes > 1 or self.trainer.ray_address is not None
 
     @property
     def use_reference(self) -> bool:

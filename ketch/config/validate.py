@@ -12,10 +12,11 @@ KNOWN_LOGGERS = ("console", "jsonl")
 def validate(config: KetchConfig) -> None:
     """Raise `ConfigError` naming the conflicting keys when `config` cannot run."""
     problems = [p for check in _CHECKS if (p := check(config))]
-    try:
-        derive_batch_plan(config, world_size=1)
-    except BatchError as err:
-        problems.append(str(err))
+    for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
+        try:
+            derive_batch_plan(config, world_size=world)
+        except BatchError as err:
+            problems.append(str(err))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -29,6 +30,7 @@ def _positive_counts(c: KetchConfig) -> str | None:
         "trainer.total_epochs": c.trainer.total_epochs,
         "trainer.log_interval": c.trainer.log_interval,
         "trainer.n_gpus_per_node": c.trainer.n_gpus_per_node,
+        "trainer.n_cpu_workers": c.trainer.n_cpu_workers,
         "trainer.nnodes": c.trainer.nnodes,
         "rollout.val.n": c.rollout.val.n,
     }
@@ -78,4 +80,13 @@ def _loggers(c: KetchConfig) -> str | None:
     return None
 
 
-_CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers)
+def _backend(c: KetchConfig) -> str | None:
+    t = c.trainer
+    if t.backend == "local" and (t.nnodes > 1 or t.ray_address is not None):
+        return f"trainer.backend=local runs in one process; trainer.nnodes={t.nnodes} / trainer.ray_address need ray"
+    if t.placement == "split" and not c.use_critic:
+        return "trainer.placement=split puts the critic on its own pool, but this run has no critic"
+    return None
+
+
+_CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend)

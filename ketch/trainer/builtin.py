@@ -43,7 +43,8 @@ WARMUP_TARGET = 0.2
 def resolve_model_path(config: KetchConfig) -> str:
     """`model.path`, or for the built-in model the cached warmed-up directory (built on first use)."""
     if config.model.path != BUILTIN_MODEL:
-        return config.model.path
+        local = Path(config.model.path).expanduser()
+        return str(local.resolve()) if local.exists() else config.model.path
     target = cache_dir() / "models" / f"tiny-arithmetic-{_settings_hash()}"
     if not (target / "config.json").is_file():
         _warm_up(target, config.trainer.device)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ketch.algorithms import apply_kl_penalty, build_kl_controller, get_adv_estimator, robust_compute_advantage
 from ketch.config import KetchConfig, derive_batch_plan, to_dict
@@ -24,7 +25,7 @@ from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
-from ketch.trainer.groups import build_actor_group, build_critic_group
+from ketch.trainer.groups import build_worker_groups
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
 from ketch.trainer.validation import generate_and_score
 
@@ -47,7 +48,7 @@ class PPOTrainer:
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
-        self.plan = derive_batch_plan(c, world_size=c.trainer.n_gpus_per_node * c.trainer.nnodes)
+        self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
         self.step = 0
         self.val_history: list[dict[str, float]] = []
@@ -166,13 +167,10 @@ class PPOTrainer:
             self.run_dir, self.config.trainer.logger, self.total_steps, self.config.trainer.log_interval
         )
         p, steps = self.plan, self.total_steps
-        self.actor_rollout = build_actor_group(
-            self.config, self.model_path, p, steps * p.actor.num_mini_batches * p.actor.epochs
-        )
-        self.critic = None
-        if self.config.use_critic:
-            updates = steps * p.critic.num_mini_batches * p.critic.epochs
-            self.critic = build_critic_group(self.config, self.model_path, p, updates)
+        critic_updates = steps * p.critic.num_mini_batches * p.critic.epochs if p.critic else None
+        actor_updates = steps * p.actor.num_mini_batches * p.actor.epochs
+        self.groups = build_worker_groups(self.config, self.model_path, p, actor_updates, critic_updates)
+        self.actor_rollout, self.critic = self.groups.actor_rollout, self.groups.critic
         info(f"run directory: {self.run_dir}; {self.total_steps} steps of {self.plan.sequences_per_step} samples")
 
     def _due(self, freq: int) -> bool:
@@ -193,6 +191,7 @@ class PPOTrainer:
             )
 
     def _finish(self, metrics: dict[str, float]) -> None:
+        self.groups.shutdown()
         self.tracker.event("end", step=self.step)
         self.tracker.close()
         info(self.summary(metrics))

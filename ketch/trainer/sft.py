@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
@@ -12,7 +14,7 @@ from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
-from ketch.trainer.groups import build_actor_group
+from ketch.trainer.groups import build_worker_groups
 from ketch.trainer.validation import generate_and_score
 
 
@@ -42,8 +44,9 @@ class SFTTrainer:
         given the metrics of a validated step, ends training early when it returns True."""
         c = self.config
         tracker = Tracker(self.run_dir, c.trainer.logger, self.total_steps, c.trainer.log_interval)
-        plan = derive_batch_plan(c, world_size=c.trainer.n_gpus_per_node * c.trainer.nnodes)
-        group = build_actor_group(c, c.model.path, plan, self.total_steps)
+        plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
+        groups = build_worker_groups(c, c.model.path, plan, self.total_steps)
+        group = groups.actor_rollout
         metrics: dict[str, float] = {}
         for step in range(1, self.total_steps + 1):
             metrics = group.sft_step(self.loader.next_batch()).meta_info["metrics"]
@@ -57,7 +60,8 @@ class SFTTrainer:
             if validated and stop_when is not None and stop_when(metrics):
                 info(f"SFT stopped early at step {step}")
                 break
-        group.save_pretrained(str(self.run_dir / "model"))
+        group.save_pretrained(str((self.run_dir / "model").resolve()))
+        groups.shutdown()
         tracker.close()
         info(f"SFT finished: model saved to {self.run_dir / 'model'}")
         return metrics

@@ -33,7 +33,7 @@ class ActorRolloutRefWorker(Worker):
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
         c = self.config
-        self.device, self.rank, _ = setup_process(c.trainer.device, c.trainer.seed)
+        self.device = setup_process(c.trainer.device, c.trainer.seed)
         self.dtype = resolve_dtype(c.model.dtype, self.device)
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         mixed = self.dtype if self.dtype != torch.float32 else None

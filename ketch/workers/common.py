@@ -15,12 +15,12 @@ from ketch.engine.micro import split_micro_batches
 from ketch.protocol import DataProto
 
 
-def setup_process(device_name: str, seed: int) -> tuple[torch.device, int, int]:
-    """Pick the device, join the process group and seed every RNG (per rank); returns (device, rank, world)."""
+def setup_process(device_name: str, seed: int) -> torch.device:
+    """Pick the device, join the process group and seed every RNG (per rank); returns the device."""
     device = resolve_device(device_name)
-    rank, world = init_process_group(device)
+    rank, _ = init_process_group(device)
     seed_everything(seed + rank)
-    return device, rank, world
+    return device
 
 
 def seed_everything(seed: int) -> None:

@@ -26,7 +26,7 @@ class CriticWorker(Worker):
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
         c, m = self.config, self.config.model
-        self.device, self.rank, _ = setup_process(c.trainer.device, c.trainer.seed + 104729)
+        self.device = setup_process(c.trainer.device, c.trainer.seed + 104729)
         critic = load_critic(
             c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
         )
