@@ -14,12 +14,14 @@ USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, BatchError)
 def _user_errors() -> tuple[type[Exception], ...]:
     """Errors that describe bad input: printed as one clear message, without a traceback."""
     from ketch.algorithms import NonFiniteError
+    from ketch.controller.errors import WorkerError
     from ketch.data import DatasetError
     from ketch.models import ModelLoadError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
+    from ketch.trainer.loop import RunFailedError
 
-    return (*USER_ERRORS, DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError,
-            NonFiniteError)  # fmt: skip
+    data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
+    return (*USER_ERRORS, *data_errors, NonFiniteError, WorkerError, RunFailedError, FileNotFoundError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=help_text, allow_abbrev=False)
         sub.add_argument("--config-path", help="YAML file with config sections (data, model, actor, ...)")
+    export = commands.add_parser("export", help="write a saved step as a Hugging Face directory", allow_abbrev=False)
+    export.add_argument("checkpoint", help="a checkpoint directory: <run dir>/checkpoints/global_step_N")
+    export.add_argument("out_dir", help="where to write the model directory")
+    export.add_argument("--role", choices=["actor", "critic"], default="actor")
     config = commands.add_parser("config", help="inspect the configuration", allow_abbrev=False)
     show = config.add_subparsers(dest="action", required=True).add_parser("show", help="print the resolved config")
     show.add_argument("--config-path", help="YAML file with config sections")
@@ -46,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="[%(levelname)s] %(message)s", level=logging.WARNING, force=True)
     logging.getLogger("ketch").setLevel(logging.INFO)
     try:
+        if args.command == "export":
+            from ketch.trainer.export import export_checkpoint
+
+            print(export_checkpoint(args.checkpoint, args.out_dir, args.role))
+            return 0
         config = load_config(args.config_path, overrides)
         if args.command == "config":
             print(to_yaml(config), end="")

@@ -68,6 +68,18 @@ class Tracker:
         """Record a non-step event (e.g. a recovery) with a wall-clock timestamp."""
         self._write({"event": kind, "time": time.time(), **fields})
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the step records after `step` (events stay): a resumed run rewrites the steps it repeats, so
+        the file has each step once."""
+        self.jsonl.close()
+        path = self.run_dir / "metrics.jsonl"
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if json.loads(line).get("step", -1) <= step or "event" in json.loads(line)]
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        tmp.replace(path)
+        self.jsonl = open(path, "a")  # noqa: SIM115  (kept open for the run)
+
     def _write(self, record: dict[str, Any]) -> None:
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()

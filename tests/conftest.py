@@ -11,6 +11,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ketch.config import load_config
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
+from ketch.models import quiet_transformers
+
+quiet_transformers()
 
 
 @pytest.fixture(scope="session", autouse=True)

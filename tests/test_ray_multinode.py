@@ -28,14 +28,14 @@ def test_nnodes_2_places_one_rank_on_each_node_and_trains(two_nodes, tiny_config
         "trainer.total_steps=2", "algorithm.adv_estimator=grpo", "rollout.n=2",
     )  # fmt: skip
     trainer = PPOTrainer(config)
-    trainer._start()
-    places = trainer.groups.ray_groups[0].places
+    trainer._open()
+    places = trainer.groups.owned[0].places
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     assert len({places[rank]["node_id"] for rank in (0, 1)}) == 2
     assert {places[rank]["node_id"] for rank in (0, 1)} == alive
     for step in (1, 2):
         trainer.step = step
-        metrics = trainer._train_step(trainer.loader.next_batch())
+        metrics = trainer._train_step(trainer.loader.next_batch(), 1)
     trainer.groups.shutdown()
     assert trainer.plan.world_size == 2
     assert "actor/pg_loss" in metrics
@@ -49,4 +49,4 @@ def test_more_nodes_than_the_cluster_has_is_a_clear_error(two_nodes, tiny_config
         "data.train_batch_size=9",
     )
     with pytest.raises(RuntimeError, match=r"trainer.nnodes=3 needs 3 Ray nodes .* the cluster has 2 alive node"):
-        PPOTrainer(config)._start()
+        PPOTrainer(config)._open()

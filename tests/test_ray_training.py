@@ -3,9 +3,12 @@ the local backend."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import ray
 
+from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 
 pytestmark = pytest.mark.slow
@@ -27,13 +30,13 @@ def test_two_cpu_ranks_train_with_fsdp_over_gloo(tiny_config):
     trainer, metrics = fit(tiny_config("trainer.n_cpu_workers=2", "trainer.test_freq=2"))
     assert trainer.plan.world_size == 2 and trainer.plan.sequences_per_device == 4
     assert {"actor/pg_loss", "critic/vf_loss", "val/ketch/arithmetic/acc"} <= set(metrics)
-    assert trainer.groups.ray_groups == [], "groups are shut down at the end"
+    assert trainer.groups.owned == [], "groups are shut down at the end"
 
 
 def test_ray_with_one_worker_gives_the_local_backends_metrics(tiny_config):
     keys = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "critic/vf_loss")
-    _, local = fit(tiny_config("trainer.backend=local", "trainer.total_steps=2"))
-    _, remote = fit(tiny_config("trainer.backend=ray", "trainer.total_steps=2"))
+    _, local = fit(tiny_config("trainer.backend=local", "trainer.total_steps=2", "trainer.experiment_name=local"))
+    _, remote = fit(tiny_config("trainer.backend=ray", "trainer.total_steps=2", "trainer.experiment_name=ray"))
     for key in keys:
         assert remote[key] == pytest.approx(local[key], rel=1e-4, abs=1e-5), key
 
@@ -43,14 +46,24 @@ def test_placement_comes_from_config_alone(tiny_config, placement):
     trainer = PPOTrainer(
         tiny_config("trainer.n_cpu_workers=2", "trainer.total_steps=1", f"trainer.placement={placement}")
     )
-    trainer._start()
-    actor_pids = [p["pid"] for p in trainer.groups.ray_groups[0].places.values()]
-    critic_pids = [p["pid"] for p in trainer.groups.ray_groups[-1].places.values()]
-    trainer.step = 1
-    metrics = trainer._train_step(trainer.loader.next_batch())
+    trainer._open()
+    actor_pids = [p["pid"] for p in trainer.groups.owned[0].places.values()]
+    critic_pids = [p["pid"] for p in trainer.groups.owned[-1].places.values()]
+    metrics = trainer._train_step(trainer.loader.next_batch(), 1)
     trainer.groups.shutdown()
     assert "critic/vf_loss" in metrics
     if placement == "colocate":
-        assert len(trainer.groups.ray_groups) == 0 and actor_pids == critic_pids
+        assert len(trainer.groups.owned) == 0 and actor_pids == critic_pids
     else:
         assert set(actor_pids).isdisjoint(critic_pids)
+
+
+def test_a_checkpoint_of_one_rank_resumes_on_two(tiny_config):
+    PPOTrainer(tiny_config("trainer.backend=local", "trainer.total_steps=2")).fit()
+    trainer, _ = fit(tiny_config("trainer.n_cpu_workers=2", "trainer.total_steps=3"))
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert (
+        json.loads((trainer.run_dir / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())["world_size"]
+        == 2
+    )

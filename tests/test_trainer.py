@@ -26,11 +26,10 @@ def actor_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
 def test_one_ppo_step_with_critic_and_kl_in_the_reward_updates_both_models(tiny_config):
     config = tiny_config("trainer.total_steps=1", "algorithm.use_kl_in_reward=true", "actor.optim.lr=0.01")
     trainer = PPOTrainer(config)
-    trainer._start()
+    trainer._open()
     before = actor_weights(trainer)
     critic_before = {n: p.full_tensor().clone() for n, p in trainer.critic.worker.critic.module.named_parameters()}
-    trainer.step = 1
-    metrics = trainer._train_step(trainer.loader.next_batch())
+    metrics = trainer._train_step(trainer.loader.next_batch(), 1)
     after = actor_weights(trainer)
     assert all(not torch.equal(before[n], after[n]) for n in before if "layers.0" in n)
     critic_after = dict(trainer.critic.worker.critic.module.named_parameters())
@@ -114,7 +113,7 @@ def test_all_truncated_responses_get_a_clear_warning_once(tiny_config, caplog):
     trainer = PPOTrainer(tiny_config("data.max_response_length=3"))
     cut_off = DataProto.from_dict({"responses": torch.full((2, 3), 9), "response_mask": torch.ones(2, 3)})
     with caplog.at_level(logging.WARNING, logger="ketch"):
-        trainer._warn_if_all_truncated(cut_off)
-        trainer._warn_if_all_truncated(cut_off)
+        trainer._warn_if_all_truncated(cut_off, 1)
+        trainer._warn_if_all_truncated(cut_off, 1)
     assert caplog.text.count("reached data.max_response_length=3 without a stop token") == 1
     assert "rollout.stop_token_ids" in caplog.text

@@ -175,6 +175,12 @@ class RolloutConfig:
     """Extra token ids that end a response (the tokenizer's EOS always does)."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Sequences per old-log-prob forward on one device; None = all at once."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs one engine spans (also written to the export's vllm_engine_config.json)."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM: fraction of GPU memory for weights and KV cache (the actor's training shares the GPU)."""
+    max_model_len: int | None = None
+    """vLLM: longest sequence; None = data.max_prompt_length + data.max_response_length."""
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
 
@@ -243,6 +249,19 @@ class TrainerConfig:
     """Validate once before the first step."""
     save_freq: int = 0
     """Save a checkpoint every this many steps (and at the end); 0 = only at the end."""
+    max_checkpoints_to_keep: int | None = None
+    """Keep only this many newest checkpoints (older ones are deleted); None keeps all."""
+    checkpoint_remote_dir: str | None = None
+    """An fsspec URL (s3://..., gs://..., file://...) that receives a copy of every saved checkpoint."""
+    resume_mode: str = "auto"
+    """`auto`: continue from the newest complete checkpoint of the run directory (else start fresh);
+    `disable`: start fresh; or the path of a checkpoint directory (`.../checkpoints/global_step_N`)."""
+    max_retries: int = 0
+    """Failed steps (a worker raising, out of memory, a worker process dying) recovered from per run."""
+    oom_retry_delay: float = 10.0
+    """Seconds to wait after an out-of-memory failure before restarting the workers."""
+    checkpoint_on_failure: bool = True
+    """On a failed step, save a checkpoint first when the workers are still alive."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     """Trackers: any of console, jsonl (always on)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -6,9 +6,11 @@ reduce to calling the method and collecting its one result."""
 from __future__ import annotations
 
 import functools
+import traceback
 from typing import Any
 
 from ketch.controller.decorator import registered_methods
+from ketch.controller.errors import WorkerError
 
 
 class LocalWorkerGroup:
@@ -24,5 +26,12 @@ class LocalWorkerGroup:
 
     def _call(self, name: str, registration, *args: Any, **kwargs: Any) -> Any:
         ((rank_args, rank_kwargs),), context = registration.dispatch.dispatch(1, args, kwargs)
-        result = getattr(self.worker, name)(*rank_args, **rank_kwargs)
+        try:
+            result = getattr(self.worker, name)(*rank_args, **rank_kwargs)
+        except Exception as err:
+            raise WorkerError(self.role, 0, f"{name} raised:\n{traceback.format_exc()}", err) from err
         return registration.dispatch.collect([result], context)
+
+    def shutdown(self) -> None:
+        """Drop the worker (its models are freed with it)."""
+        self.worker = None

@@ -1,34 +1,81 @@
-"""Write an engine's model as a Hugging Face directory (weights gathered from the FSDP shards)."""
+"""Write models as Hugging Face directories that `from_pretrained` and `vllm serve` load as they are.
+
+Weights come either from a live engine (gathered from the FSDP shards one parameter at a time) or from a
+sharded checkpoint (read on the CPU with no process group), and are written by `save_pretrained` on a
+model skeleton on the meta device, so no second copy of the weights is ever allocated.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig
 
 from ketch.engine.engine import TrainEngine
 
+WRAPPER_PREFIXES = ("lm.", "critic.")
+"""Submodule names of `PolicyModel` / `ValueModel` in front of the HF parameter names."""
 
-def save_hf_model(engine: TrainEngine, prefix: str, hf_config, out_dir: Path, rank: int, tokenizer=None) -> None:
-    """Gather the full weights (every rank takes part) and, on rank 0, save them with `hf_config` as a
-    `save_pretrained` directory (safetensors), plus the tokenizer when given."""
-    state = {name: tensor.cpu() for name, tensor in engine.full_parameters(prefix=prefix)}
-    if rank != 0:
-        return
-    auto_cls = AutoModelForTokenClassification if hf_config.num_labels == 1 and _is_critic(state) else None
-    model = (auto_cls or AutoModelForCausalLM).from_config(hf_config, dtype=next(iter(state.values())).dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"export: weights do not match the model (missing {missing}, unexpected {unexpected})")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad():
-        model.save_pretrained(out_dir, safe_serialization=True)
+
+def is_critic_config(hf_config) -> bool:
+    return any(name.endswith("ForTokenClassification") for name in hf_config.architectures or [])
+
+
+def write_hf_directory(
+    state: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: str | Path,
+    tokenizer=None,
+    stop_token_ids: list[int] | None = None,
+    engine_config: dict[str, Any] | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Save `state` (HF parameter names) with `hf_config` as safetensors (sharded with an index above
+    `max_shard_size`), plus the tokenizer, a generation config whose EOS ids are `stop_token_ids`, and
+    `vllm_engine_config.json` when `engine_config` is given."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    auto_cls = AutoModelForTokenClassification if is_critic_config(hf_config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        skeleton = auto_cls.from_config(hf_config)
+    skeleton.save_pretrained(out, state_dict=state, max_shard_size=max_shard_size, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out)
+    if stop_token_ids and not is_critic_config(hf_config):
+        pad = tokenizer.pad_token_id if tokenizer is not None else None
+        GenerationConfig(
+            eos_token_id=list(stop_token_ids), pad_token_id=pad, bos_token_id=hf_config.bos_token_id
+        ).save_pretrained(out)
+    if engine_config is not None:
+        (out / "vllm_engine_config.json").write_text(json.dumps(engine_config, indent=2))
+    return out
 
 
-def _is_critic(state: dict[str, torch.Tensor]) -> bool:
-    return any(name.startswith("score.") for name in state)
+def gather_hf_state(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """Full weights of a live engine on the CPU, by HF name (every rank must call: it all-gathers)."""
+    return {_hf_name(name): tensor.cpu() for name, tensor in engine.full_parameters()}
+
+
+def load_checkpoint_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Model weights of a sharded engine checkpoint (see `engine.checkpoint`), merged on the CPU, by HF name."""
+    metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    model = {
+        key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if key.startswith("model.")
+    }
+    state = {"model": model}
+    dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    return {_hf_name(name): tensor for name, tensor in state["model"].items()}
+
+
+def _hf_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return name

@@ -6,6 +6,7 @@ from ketch.models.loader import (
     load_critic,
     load_model_config,
     load_tokenizer,
+    quiet_transformers,
     resolve_dtype,
 )
 from ketch.models.tiny import build_tiny_model, tiny_qwen2_config
@@ -17,6 +18,7 @@ __all__ = [
     "load_critic",
     "load_model_config",
     "load_tokenizer",
+    "quiet_transformers",
     "resolve_dtype",
     "tiny_qwen2_config",
 ]

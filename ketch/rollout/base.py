@@ -54,6 +54,11 @@ def get_rollout_class(name: str) -> Callable[..., Rollout]:
     return _BACKENDS[name]
 
 
+def stop_token_ids(eos_token_id: int, extra: list[int]) -> list[int]:
+    """The tokens that end a response: the tokenizer's EOS, then `rollout.stop_token_ids`, without repeats."""
+    return list(dict.fromkeys([eos_token_id, *extra]))
+
+
 def response_mask_from_stops(responses: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
     """1 on every token up to and including the first stop token of each row, 0 after; `[batch, response_len]`.
     A row without a stop token (truncated) is all ones."""

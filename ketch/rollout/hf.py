@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from ketch.config.schema import RolloutConfig
 from ketch.protocol import DataProto
-from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops
+from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops, stop_token_ids
 
 
 @register_rollout("hf")
@@ -24,7 +24,7 @@ class HFRollout(Rollout):
         self.config = config
         self.max_response_length = max_response_length
         self.pad_token_id = pad_token_id
-        self.stop_token_ids = list(dict.fromkeys([eos_token_id, *config.stop_token_ids]))
+        self.stop_token_ids = stop_token_ids(eos_token_id, config.stop_token_ids)
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:

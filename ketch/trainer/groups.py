@@ -27,12 +27,13 @@ class WorkerGroups:
 
     actor_rollout: Any
     critic: Any = None
-    ray_groups: list = field(default_factory=list)
+    owned: list = field(default_factory=list)
+    """The groups that hold worker processes or models, shut down together."""
 
     def shutdown(self) -> None:
-        for group in self.ray_groups:
+        for group in self.owned:
             group.shutdown()
-        self.ray_groups = []
+        self.owned = []
 
 
 def build_worker_groups(
@@ -45,10 +46,9 @@ def build_worker_groups(
     if config.uses_ray(torch.cuda.is_available()):
         groups = _ray_groups(config, actor, critic)
     else:
-        groups = WorkerGroups(
-            LocalWorkerGroup(*actor, role="actor_rollout"),
-            LocalWorkerGroup(*critic, role="critic") if critic else None,
-        )
+        local_actor = LocalWorkerGroup(*actor, role="actor_rollout")
+        local_critic = LocalWorkerGroup(*critic, role="critic") if critic else None
+        groups = WorkerGroups(local_actor, local_critic, [g for g in (local_actor, local_critic) if g])
     groups.actor_rollout.init_model()
     if groups.critic is not None:
         groups.critic.init_model()
@@ -73,7 +73,7 @@ def _ray_groups(config: KetchConfig, actor: tuple, critic: tuple | None) -> Work
         pool = RayResourcePool([per_node] * t.nnodes, use_gpu, name="ketch-critic")
         critic_group = RayWorkerGroup(pool, {"critic": RayClassWithInitArgs(*critic)}, t.worker_timeout)
         groups.critic = critic_group.role("critic")
-        groups.ray_groups.append(critic_group)
+        groups.owned.append(critic_group)
     return groups
 
 

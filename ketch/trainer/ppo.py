@@ -6,7 +6,6 @@ computed here because they are cheap and need all samples of a prompt.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -17,22 +16,22 @@ import numpy as np
 import torch
 
 from ketch.algorithms import apply_kl_penalty, build_kl_controller, get_adv_estimator, robust_compute_advantage
-from ketch.config import KetchConfig, derive_batch_plan, to_dict
+from ketch.config import KetchConfig, derive_batch_plan
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
-from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
-from ketch.trainer.groups import build_worker_groups
+from ketch.trainer.groups import WorkerGroups, build_worker_groups
+from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
 from ketch.trainer.validation import generate_and_score
 
 logger = logging.getLogger("ketch")
 
 
-class PPOTrainer:
+class PPOTrainer(TrainingLoop):
     """PPO (actor + critic + GAE) or a critic-free estimator (GRPO, RLOO, REINFORCE++, ReMax), per config."""
 
     def __init__(self, config: KetchConfig):
@@ -50,32 +49,22 @@ class PPOTrainer:
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
         self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
-        self.step = 0
-        self.val_history: list[dict[str, float]] = []
         self.warned_truncation = False
 
-    # ----------------------------------------------------------------- the loop
-    def fit(self) -> dict[str, float]:
-        """Train for `total_steps`; returns the last step's metrics."""
-        self._start()
-        if self.config.trainer.val_before_train and self.val_set is not None:
-            self.tracker.log(self._validate(), step=0)
-        metrics: dict[str, float] = {}
-        while self.step < self.total_steps:
-            self.step += 1
-            metrics = self._train_step(self.loader.next_batch())
-            if self._due(self.config.trainer.test_freq) and self.val_set is not None:
-                metrics |= self._validate()
-            self.tracker.log(metrics, self.step)
-        self._finish(metrics)
-        return metrics
+    def _build_groups(self) -> WorkerGroups:
+        p, steps = self.plan, self.total_steps
+        critic_updates = steps * p.critic.num_mini_batches * p.critic.epochs if p.critic else None
+        actor_updates = steps * p.actor.num_mini_batches * p.actor.epochs
+        groups = build_worker_groups(self.config, self.model_path, p, actor_updates, critic_updates)
+        self.actor_rollout, self.critic = groups.actor_rollout, groups.critic
+        return groups
 
-    def _train_step(self, batch: DataProto) -> dict[str, float]:
+    def _train_step(self, batch: DataProto, step: int) -> dict[str, float]:
         timings: dict[str, float] = {}
         step_start = time.perf_counter()
         batch = self._expand(batch)
         with _timed(timings, "gen"):
-            batch = self._generate(batch)
+            batch = self._generate(batch, step)
         with _timed(timings, "reward"):
             batch, metrics = self._score(batch)
         with _timed(timings, "old_log_prob"):
@@ -106,7 +95,7 @@ class PPOTrainer:
         batch.non_tensor_batch["uid"] = np.array([uuid.uuid4().hex for _ in range(len(batch))], dtype=object)
         return batch.repeat(self.config.rollout.n, interleave=True)
 
-    def _generate(self, batch: DataProto) -> DataProto:
+    def _generate(self, batch: DataProto, step: int) -> DataProto:
         """Sample responses; for ReMax also the greedy response of each prompt, whose score is the baseline."""
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
         batch = batch.union(self.actor_rollout.generate_sequences(prompts))
@@ -114,7 +103,7 @@ class PPOTrainer:
             prompts.meta_info["do_sample"] = False
             scores, _ = self.reward(batch.select(batch_keys=[]).union(self.actor_rollout.generate_sequences(prompts)))
             batch.batch["reward_baselines"] = scores.sum(-1)
-        self._warn_if_all_truncated(batch)
+        self._warn_if_all_truncated(batch, step)
         return batch
 
     def _score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -150,33 +139,17 @@ class PPOTrainer:
         keys += ["advantages"] + (["ref_log_prob"] if self.config.actor.use_kl_loss else [])
         return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
 
-    def _validate(self) -> dict[str, float]:
+    def _validate(self, step: int) -> dict[str, float]:
         """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""
         c = self.config
         metrics = generate_and_score(
             self.actor_rollout, self.val_set, self.reward, c.rollout.val, c.data.val_batch_size
         )
-        self.val_history.append({"step": self.step, **metrics})
+        self.val_history.append({"step": step, **metrics})
         return metrics
 
     # ----------------------------------------------------------------- helpers
-    def _start(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
-        self.tracker = Tracker(
-            self.run_dir, self.config.trainer.logger, self.total_steps, self.config.trainer.log_interval
-        )
-        p, steps = self.plan, self.total_steps
-        critic_updates = steps * p.critic.num_mini_batches * p.critic.epochs if p.critic else None
-        actor_updates = steps * p.actor.num_mini_batches * p.actor.epochs
-        self.groups = build_worker_groups(self.config, self.model_path, p, actor_updates, critic_updates)
-        self.actor_rollout, self.critic = self.groups.actor_rollout, self.groups.critic
-        info(f"run directory: {self.run_dir}; {self.total_steps} steps of {self.plan.sequences_per_step} samples")
-
-    def _due(self, freq: int) -> bool:
-        return freq > 0 and (self.step % freq == 0 or self.step == self.total_steps)
-
-    def _warn_if_all_truncated(self, batch: DataProto) -> None:
+    def _warn_if_all_truncated(self, batch: DataProto, step: int) -> None:
         b = batch.batch
         if self.warned_truncation or self.config.rollout.ignore_eos:
             return
@@ -186,27 +159,9 @@ class PPOTrainer:
                 "every response of step %d reached data.max_response_length=%d without a stop token, so rewards "
                 "see cut-off answers; raise data.max_response_length, or check the stop tokens (the tokenizer's "
                 "EOS and rollout.stop_token_ids)",
-                self.step,
+                step,
                 self.config.data.max_response_length,
             )
-
-    def _finish(self, metrics: dict[str, float]) -> None:
-        self.groups.shutdown()
-        self.tracker.event("end", step=self.step)
-        self.tracker.close()
-        info(self.summary(metrics))
-
-    def summary(self, metrics: dict[str, float]) -> str:
-        """First vs last validation accuracy and reward, and where the outputs are."""
-        lines = [f"finished {self.step} steps; run directory {self.run_dir}"]
-        if len(self.val_history) >= 1:
-            first, last = self.val_history[0], self.val_history[-1]
-            for key in (k for k in last if k.endswith("/acc")):
-                lines.append(f"{key}: {first.get(key, float('nan')):.3f} (step {first['step']}) -> {last[key]:.3f}")
-        if "critic/score/mean" in metrics:
-            lines.append(f"reward (mean score) at the last step: {metrics['critic/score/mean']:.3f}")
-        lines.append(f"metrics: {self.run_dir / 'metrics.jsonl'}")
-        return "\n".join(lines)
 
 
 @contextmanager

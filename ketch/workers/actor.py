@@ -5,6 +5,7 @@ in memory."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -12,13 +13,14 @@ from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
-from ketch.engine.export import save_hf_model
+from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import PolicyModel
 from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
-from ketch.rollout import get_rollout_class
+from ketch.rollout import get_rollout_class, stop_token_ids
 from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
 
 
@@ -150,9 +152,29 @@ class ActorRolloutRefWorker(Worker):
         return self._sync_rollout()
 
     @register(ONE_TO_ALL)
-    def save_pretrained(self, out_dir: str) -> None:
-        """Write the actor and tokenizer as a Hugging Face directory (every rank gathers, rank 0 writes)."""
-        save_hf_model(self.actor, "lm.", self.hf_config, out_dir, self.rank, self.tokenizer)
+    def save_pretrained(self, out_dir: str, engine_config: dict | None = None) -> None:
+        """Write the actor as a Hugging Face directory with its tokenizer, the run's stop tokens as EOS
+        and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
+        state = gather_hf_state(self.actor)
+        if self.rank == 0:
+            stops = stop_token_ids(self.tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
+            write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)
+
+    # ----------------------------------------------------------------- checkpoints
+    @register(ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """Sharded actor model/optimizer/schedule and this rank's RNG; rank 0 adds the HF config and
+        tokenizer (under `hf/`) so that the checkpoint exports on its own."""
+        save_engine(self.actor, Path(directory), {"update_count": self.update_count})
+        if self.rank == 0:
+            self.hf_config.save_pretrained(Path(directory) / "hf")
+            self.tokenizer.save_pretrained(Path(directory) / "hf")
+
+    @register(ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what `save_checkpoint` wrote, then hand the weights to the rollout engine."""
+        self.update_count = load_engine(self.actor, Path(directory))["update_count"]
+        self._sync_rollout()
 
 
 def as_next_token_batch(data: DataProto) -> DataProto:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ketch.algorithms import value_loss
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
+from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import ValueModel
 from ketch.models import load_critic
 from ketch.protocol import DataProto
@@ -51,6 +55,24 @@ class CriticWorker(Worker):
         ]
         self.update_count += 1
         return DataProto(meta_info={"metrics": mean_over_steps(steps, "critic")})
+
+    @register(ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """Sharded critic model/optimizer/schedule and this rank's RNG; rank 0 adds the HF config (`hf/`)."""
+        save_engine(self.critic, Path(directory), {"update_count": self.update_count})
+        if self.rank == 0:
+            self.critic.module.critic.config.save_pretrained(Path(directory) / "hf")
+
+    @register(ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        self.update_count = load_engine(self.critic, Path(directory))["update_count"]
+
+    @register(ONE_TO_ALL)
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label)."""
+        state = gather_hf_state(self.critic)
+        if self.rank == 0:
+            write_hf_directory(state, self.critic.module.critic.config, out_dir)
 
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
         c, b = self.config.critic, micro.batch

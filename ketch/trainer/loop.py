@@ -1,0 +1,242 @@
+"""`TrainingLoop`: what every step of a run shares around the algorithm: logging, validation, checkpoints,
+resume, recovery from failed steps, and the export at the end. `PPOTrainer` supplies the step itself.
+
+A failed step (a worker raising, out of memory, a worker process dying, a call timing out) is logged as
+an event; when the workers are still alive a checkpoint is saved first (`trainer.checkpoint_on_failure`);
+then the workers are torn down, started again and resumed from the newest complete checkpoint, up to
+`trainer.max_retries` times, after which the run stops with a summary of every failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ketch.config import to_dict
+from ketch.controller.errors import WorkerDiedError, WorkerError, is_out_of_memory
+from ketch.rollout import stop_token_ids
+from ketch.tracking import Tracker, info
+from ketch.trainer.checkpoint import CheckpointManager, read_trainer_state
+from ketch.trainer.groups import WorkerGroups
+
+logger = logging.getLogger("ketch")
+
+RECOVERABLE = (WorkerError, torch.OutOfMemoryError)
+
+
+class RunFailedError(RuntimeError):
+    """The run failed more often than `trainer.max_retries` allows; the message lists every failure."""
+
+
+class TrainingLoop:
+    """Subclasses set `config`, `run_dir`, `loader`, `total_steps`, `plan`, `tokenizer`, `val_set`,
+    `kl_ctrl` and implement `_build_groups`, `_train_step(batch)` and `_validate()`."""
+
+    step = 0
+    val_history: list[dict[str, float]]
+    failures: list[dict[str, Any]]
+
+    def fit(self) -> dict[str, float]:
+        """Train until `total_steps`, recovering from failed steps; returns the last step's metrics."""
+        self._open()
+        while True:
+            try:
+                metrics = self._run()
+                break
+            except RECOVERABLE as err:
+                self._recover(err)
+        self._finish(metrics)
+        return metrics
+
+    def _run(self) -> dict[str, float]:
+        """Steps `self.step + 1 .. total_steps`. `self.step` counts completed steps and `self.loader_state` is
+        the data position after the last of them: together they are what a checkpoint records."""
+        t = self.config.trainer
+        metrics: dict[str, float] = {}
+        if self.step == 0 and t.val_before_train and self.val_set is not None:
+            self.tracker.log(self._validate(step=0), step=0)
+        while self.step < self.total_steps:
+            step = self.step + 1
+            metrics = self._train_step(self.loader.next_batch(), step)
+            if self._due(t.test_freq, step) and self.val_set is not None:
+                metrics |= self._validate(step)
+            self.step, self.loader_state = step, self.loader.state_dict()
+            self.tracker.log(metrics, step)
+            if self._due(t.save_freq, step) or step == self.total_steps:
+                self._save_checkpoint()
+        return metrics
+
+    def _due(self, freq: int, step: int) -> bool:
+        return freq > 0 and (step % freq == 0 or step == self.total_steps)
+
+    # ----------------------------------------------------------------- start, checkpoints, resume
+    def _open(self) -> None:
+        c = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
+        self.checkpoints = CheckpointManager(
+            self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
+        )
+        self.tracker = Tracker(self.run_dir, c.trainer.logger, self.total_steps, c.trainer.log_interval)
+        self.failures = []
+        self.groups = self._build_groups()
+        self._resume(self._resume_path())
+        info(f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
+             f"{self.plan.sequences_per_step} samples")  # fmt: skip
+
+    def _resume_path(self) -> Path | None:
+        mode = self.config.trainer.resume_mode
+        if mode == "disable":
+            return None
+        return self.checkpoints.latest() if mode == "auto" else Path(mode)
+
+    def _resume(self, checkpoint: Path | None) -> None:
+        """Restore every part of the run from `checkpoint`, or start fresh when it is None."""
+        if checkpoint is None:
+            self.step, self.val_history, self.loader_state = 0, [], self.loader.state_dict()
+            self.tracker.truncate_after(-1)
+            return
+        state = read_trainer_state(checkpoint)
+        self.groups.actor_rollout.load_checkpoint(str(checkpoint.resolve() / "actor"))
+        if self.groups.critic is not None:
+            self.groups.critic.load_checkpoint(str(checkpoint.resolve() / "critic"))
+        self.step, self.val_history = state["global_step"], state["val_history"]
+        self.loader.load_state_dict(state["loader"])
+        self.loader_state = self.loader.state_dict()
+        if self.kl_ctrl is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.tracker.truncate_after(self.step)
+        self.tracker.event("resume", step=self.step, checkpoint=str(checkpoint))
+        info(f"resumed from {checkpoint} at step {self.step}")
+        if self.step >= self.total_steps:
+            info(f"this run already finished its {self.total_steps} steps; to train again, set "
+                 "trainer.resume_mode=disable or another trainer.experiment_name")  # fmt: skip
+
+    def _save_checkpoint(self) -> Path:
+        """Checkpoint the state after the last completed step (`self.loader_state` is the data position)."""
+        staging = self.checkpoints.staging_dir(self.step)
+        try:
+            self.groups.actor_rollout.save_checkpoint(str(staging / "actor"))
+            if self.groups.critic is not None:
+                self.groups.critic.save_checkpoint(str(staging / "critic"))
+            (staging / "vllm_engine_config.json").write_text(json.dumps(self.engine_config(), indent=2))
+            state = {
+                "global_step": self.step,
+                "loader": self.loader_state,
+                "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+                "val_history": self.val_history,
+                "world_size": self.plan.world_size,
+            }
+            path = self.checkpoints.commit(staging, self.step, state, to_dict(self.config))
+        except BaseException:
+            self.checkpoints.discard(staging)
+            raise
+        self.tracker.event("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def engine_config(self) -> dict[str, Any]:
+        """The rollout settings of this run, as `vllm serve` takes them (`vllm_engine_config.json`)."""
+        c, r = self.config, self.config.rollout
+        dtype = (
+            c.model.dtype
+            if c.model.dtype != "auto"
+            else ("bfloat16" if c.uses_gpu(torch.cuda.is_available()) else "float32")
+        )
+        return {
+            "tensor_parallel_size": r.tensor_parallel_size,
+            "max_model_len": r.max_model_len or c.data.max_prompt_length + c.data.max_response_length,
+            "dtype": dtype,
+            "stop_token_ids": stop_token_ids(self.tokenizer.eos_token_id, r.stop_token_ids),
+            "gpu_memory_utilization": r.gpu_memory_utilization,
+        }
+
+    # ----------------------------------------------------------------- failures
+    def _recover(self, err: BaseException) -> None:
+        """Record the failure, checkpoint if possible, then restart the workers from the newest checkpoint."""
+        t = self.config.trainer
+        failure = {
+            "step": self.step + 1,
+            "role": getattr(err, "role", "driver"),
+            "rank": getattr(err, "rank", None),
+            "error": f"{type(err).__name__}: {_first_line(err)}",
+            "out_of_memory": is_out_of_memory(err),
+        }
+        self.failures.append(failure)
+        logger.error(
+            "step %d failed (%s rank %s): %s", failure["step"], failure["role"], failure["rank"], failure["error"]
+        )
+        self.tracker.event("failure", **failure)
+        if t.checkpoint_on_failure and not isinstance(err, WorkerDiedError):
+            self._try_checkpoint_on_failure()
+        self.groups.shutdown()
+        if len(self.failures) > t.max_retries:
+            self.tracker.close()
+            raise RunFailedError(self._failure_summary()) from err
+        if failure["out_of_memory"]:
+            time.sleep(t.oom_retry_delay)
+        self.groups = self._build_groups()
+        self._resume(self.checkpoints.latest())
+        self.tracker.event("recovery", step=self.step, attempt=len(self.failures))
+        info(f"recovered (attempt {len(self.failures)} of {t.max_retries}); continuing after step {self.step}")
+
+    def _try_checkpoint_on_failure(self) -> None:
+        """Checkpoint the last completed step unless it already is: a checkpoint written before the failure is
+        cleaner than the models now (the failed step may have updated some of them)."""
+        latest = self.checkpoints.latest()
+        if latest is not None and read_trainer_state(latest)["global_step"] == self.step:
+            return
+        try:
+            path = self._save_checkpoint()
+            info(f"saved a checkpoint at the failure: {path}")
+        except Exception:  # the workers may be too broken to save; recovery goes on from an older one
+            logger.warning("could not save a checkpoint at the failure:\n%s", traceback.format_exc())
+
+    def _failure_summary(self) -> str:
+        lines = [f"the run failed {len(self.failures)} time(s), more than trainer.max_retries="
+                 f"{self.config.trainer.max_retries} allows:"]  # fmt: skip
+        lines += [f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}" for f in self.failures]
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- the end
+    def _finish(self, metrics: dict[str, float]) -> None:
+        model_dir = (self.run_dir / "model").resolve()
+        self.groups.actor_rollout.save_pretrained(str(model_dir), self.engine_config())
+        self.groups.shutdown()
+        self.tracker.event("end", step=self.step, model=str(model_dir))
+        self.tracker.close()
+        info(self.summary(metrics))
+
+    def summary(self, metrics: dict[str, float]) -> str:
+        """First vs last validation accuracy and reward, and where the outputs are."""
+        lines = [f"finished {self.step} steps; run directory {self.run_dir}"]
+        if self.val_history:
+            first, last = self.val_history[0], self.val_history[-1]
+            for key in (k for k in last if k.endswith("/acc")):
+                lines.append(f"{key}: {first.get(key, float('nan')):.3f} (step {first['step']}) -> {last[key]:.3f}")
+        if "critic/score/mean" in metrics:
+            lines.append(f"reward (mean score) at the last step: {metrics['critic/score/mean']:.3f}")
+        latest = self.checkpoints.latest()
+        lines.append(f"metrics: {self.run_dir / 'metrics.jsonl'}; checkpoint: {latest}")
+        lines.append(f"model: {self.run_dir / 'model'} (serve it with: vllm serve {self.run_dir / 'model'})")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- for subclasses
+    def _build_groups(self) -> WorkerGroups:
+        raise NotImplementedError
+
+    def _train_step(self, batch, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def _validate(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

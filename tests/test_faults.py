@@ -1,0 +1,102 @@
+"""Runs that survive faults: an injected out-of-memory error (local) and a killed worker process (Ray)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from ketch.tracking import read_metrics
+from ketch.trainer.loop import RunFailedError
+from ketch.trainer.ppo import PPOTrainer
+from ketch.workers import ActorRolloutRefWorker
+
+
+def events(trainer: PPOTrainer) -> list[dict]:
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for line in lines if "event" in (record := json.loads(line))]
+
+
+def oom_once_at(monkeypatch, call: int) -> None:
+    """The test hook: update_actor raises torch.OutOfMemoryError on its `call`-th call, once."""
+    calls = {"n": 0}
+    original = ActorRolloutRefWorker.update_actor
+
+    @functools.wraps(original)
+    def update_actor(self, data):
+        calls["n"] += 1
+        if calls["n"] == call:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by a test)")
+        return original(self, data)
+
+    monkeypatch.setattr(ActorRolloutRefWorker, "update_actor", update_actor)
+
+
+def test_an_injected_oom_is_survived_with_a_checkpoint_at_the_failing_step(tiny_config, monkeypatch):
+    oom_once_at(monkeypatch, call=3)
+    config = tiny_config("trainer.total_steps=4", "trainer.max_retries=1", "trainer.oom_retry_delay=0")
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    assert [r["step"] for r in read_metrics(trainer.run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    kinds = [(e["event"], e.get("step")) for e in events(trainer)]
+    assert kinds[:4] == [("failure", 3), ("checkpoint", 2), ("resume", 2), ("recovery", 2)]
+    failure = events(trainer)[0]
+    assert failure["role"] == "actor_rollout" and failure["rank"] == 0 and failure["out_of_memory"] is True
+
+
+def test_without_retries_a_failure_ends_the_run_with_a_summary(tiny_config, monkeypatch):
+    oom_once_at(monkeypatch, call=2)
+    trainer = PPOTrainer(tiny_config("trainer.total_steps=3"))
+    with pytest.raises(RunFailedError) as err:
+        trainer.fit()
+    assert "the run failed 1 time(s), more than trainer.max_retries=0 allows" in str(err.value)
+    assert "step 2: actor_rollout rank 0: WorkerError" in str(err.value)
+    assert (trainer.run_dir / "checkpoints" / "global_step_1").is_dir(), "checkpoint_on_failure saved step 1"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def kill_rank_when(trainer: PPOTrainer, rank: int, step: int) -> threading.Thread:
+    """SIGKILL a worker process of `rank` once the run has completed `step` steps (a real kill, no hook)."""
+
+    def watch() -> None:
+        while trainer.step < step:
+            time.sleep(0.05)
+        os.kill(trainer.groups.owned[0].places[rank]["pid"], signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_recovered_and_every_step_is_logged_once(tiny_config, ray_session):
+    config = tiny_config("trainer.n_cpu_workers=2", "trainer.total_steps=5", "trainer.save_freq=2",
+                         "trainer.max_retries=2")  # fmt: skip
+    trainer = PPOTrainer(config)
+    kill_rank_when(trainer, rank=1, step=3)
+    trainer.fit()
+    assert [r["step"] for r in read_metrics(trainer.run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    failure = next(e for e in events(trainer) if e["event"] == "failure")
+    assert failure["rank"] == 1 and "WorkerDiedError" in failure["error"]
+    assert any(e["event"] == "recovery" for e in events(trainer))
+
+
+@pytest.mark.slow
+def test_a_killed_worker_without_retries_names_the_dead_worker(tiny_config, ray_session):
+    trainer = PPOTrainer(tiny_config("trainer.n_cpu_workers=2", "trainer.total_steps=4"))
+    kill_rank_when(trainer, rank=1, step=1)
+    with pytest.raises(RunFailedError, match=r"actor_rollout rank 1: WorkerDiedError: .*worker process died"):
+        trainer.fit()
