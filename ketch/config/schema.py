@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 BUILTIN_TASK = "builtin:arithmetic"
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
+BUILTIN_PREFERENCE_TASK = "builtin:arithmetic-preference"
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,10 @@ class DataConfig:
     """Column holding the prompt: a string or a chat message list [{role, content}, ...]."""
     response_key: str = "response"
     """Column holding the target response (SFT only)."""
+    chosen_key: str = "chosen"
+    """Column holding the preferred response of a pair (`ketch rm` only): a string or a chat message list."""
+    rejected_key: str = "rejected"
+    """Column holding the dispreferred response of a pair (`ketch rm` only): a string or a chat message list."""
     max_prompt_length: int = 32
     """Prompts are left-padded to this many tokens; longer ones are handled per `truncation`."""
     max_response_length: int = 16
@@ -95,6 +100,9 @@ class ActorConfig:
     """Token budget of one micro-batch when use_dynamic_bsz is on."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    recompute_old_log_prob: bool | None = None
+    """Run a forward pass for `old_log_prob` before the update. None = only when needed (more than one epoch or
+    mini-batch, or KL in the reward); otherwise the update's own forward gives it (ratio 1): one forward saved."""
     shuffle: bool = True
     """Shuffle sequences between mini-batches."""
     clip_ratio_low: float = 0.2
@@ -175,14 +183,48 @@ class RolloutConfig:
     """Extra token ids that end a response (the tokenizer's EOS always does)."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Sequences per old-log-prob forward on one device; None = all at once."""
+    hf_decoding: Literal["auto", "generate", "static"] = "auto"
+    """hf backend: transformers' `generate`, or `static` decoding (preallocated KV cache, the decode step compiled
+    into a CUDA graph on GPUs); auto = static on GPU, generate on CPU."""
     tensor_parallel_size: int = 1
     """vLLM: GPUs one engine spans (also written to the export's vllm_engine_config.json)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights and KV cache (the actor's training shares the GPU)."""
     max_model_len: int | None = None
     """vLLM: longest sequence; None = data.max_prompt_length + data.max_response_length."""
+    max_num_seqs: int = 256
+    """vLLM: sequences decoded together."""
+    max_num_batched_tokens: int | None = None
+    """vLLM: tokens per engine step (None = vLLM's default)."""
+    enforce_eager: bool = True
+    """vLLM: skip CUDA graphs (faster start, slower decoding)."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse the KV cache of shared prompt prefixes (the n samples of a prompt)."""
+    check_weight_sync: bool = False
+    """Debug: after each weight hand-off, compare one weight's norm in the rollout engine with the actor's."""
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    path: str | None = None
+    """A reward model directory or hub id (`ketch rm` output, or any HF `*ForSequenceClassification` with one
+    label) that scores each PPO response at its last valid token; None = no reward model."""
+    tokenizer_path: str | None = None
+    """The reward model's tokenizer; None = reward.model.path."""
+    retokenize: Literal["auto", "always", "never"] = "auto"
+    """Re-encode prompt + response for the reward model (decode with the actor's tokenizer, format with the
+    reward model's chat template, encode with its tokenizer); auto = when the tokenizers or templates differ."""
+    chat_template: str | None = None
+    """A built-in chat template (`chatml`, ...) for chat prompts when re-encoding; None = the reward model's own."""
+    micro_batch_size_per_device: int | None = None
+    """Sequences per reward-model forward on one device (in `ketch rm` a pair is two sequences, so it must be
+    even); None = all at once."""
+    placement: Literal["colocate", "split"] = "colocate"
+    """Ray: the reward model in the actor's processes (colocate), or on a resource pool of its own (split)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
+    """Optimizer of `ketch rm` (the default suits the built-in tiny model; use ~1e-5 for large models)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +233,23 @@ class RewardConfig:
     """A user scorer `path/to/file.py:fn` with signature fn(data_source, solution_str, ground_truth, extra_info)."""
     on_error: Literal["raise", "zero"] = "raise"
     """When a scorer raises on a sample: stop the run, or log it and score the sample 0."""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """The reward model that scores PPO responses, and the settings of `ketch rm`."""
+    weights: dict[str, float] | None = None
+    """Weights of the score sources `rule` (reward.function or the scorer of each data_source) and `model`
+    (reward.model.path), e.g. {rule: 1.0, model: 0.5}; a missing source weighs 0. None = the reward model
+    alone when reward.model.path is set, else the rule-based scorers alone. Validation always uses the rules."""
+    clip: float | None = None
+    """Clip reward-model scores to [-clip, clip] (after normalisation); None disables."""
+    normalize: bool = False
+    """Normalise reward-model scores by their running mean and std over the run (kept in checkpoints)."""
+
+    @property
+    def source_weights(self) -> dict[str, float]:
+        """`weights` resolved: {"rule": w, "model": w}, with the default described there."""
+        if self.weights is None:
+            return {"rule": 0.0, "model": 1.0} if self.model.path else {"rule": 1.0, "model": 0.0}
+        return {"rule": 0.0, "model": 0.0} | {k: float(v) for k, v in self.weights.items()}
 
 
 @dataclass(frozen=True)
@@ -247,6 +306,9 @@ class TrainerConfig:
     """Validate every this many steps (and at the end); 0 disables periodic validation."""
     val_before_train: bool = True
     """Validate once before the first step."""
+    val_samples_to_log: int = 4
+    """Validation prompts whose responses (all rollout.val.n of them) are written to `<run dir>/samples.jsonl` with
+    their scores at every validation; 0 writes none."""
     save_freq: int = 0
     """Save a checkpoint every this many steps (and at the end); 0 = only at the end."""
     max_checkpoints_to_keep: int | None = None
@@ -263,7 +325,9 @@ class TrainerConfig:
     checkpoint_on_failure: bool = True
     """On a failed step, save a checkpoint first when the workers are still alive."""
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
-    """Trackers: any of console, jsonl (always on)."""
+    """Trackers: any of console, jsonl (always on), tensorboard (`<run dir>/tensorboard`), wandb (honours WANDB_MODE;
+    files under the run dir), mlflow (MLFLOW_TRACKING_URI, else a file store `<run dir>/mlruns`). The last three
+    need their extra: pip install 'ketch[tensorboard]' (or wandb, mlflow)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the workers; auto = cuda when available."""
     seed: int = 1

@@ -6,7 +6,7 @@ from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.loader import ConfigError
 from ketch.config.schema import KetchConfig
 
-KNOWN_LOGGERS = ("console", "jsonl")
+KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 def validate(config: KetchConfig) -> None:
@@ -52,6 +52,8 @@ def _critic_matches_estimator(c: KetchConfig) -> str | None:
 
 
 def _kl_used_once(c: KetchConfig) -> str | None:
+    if c.algorithm.use_kl_in_reward and c.actor.recompute_old_log_prob is False:
+        return "algorithm.use_kl_in_reward=true needs the old log-probs: set actor.recompute_old_log_prob=null"
     if c.algorithm.use_kl_in_reward and c.actor.use_kl_loss:
         return "algorithm.use_kl_in_reward=true and actor.use_kl_loss=true would penalise KL twice; keep one of them"
     return None
@@ -77,6 +79,8 @@ def _loggers(c: KetchConfig) -> str | None:
     unknown = [name for name in c.trainer.logger if name not in KNOWN_LOGGERS]
     if unknown:
         return f"trainer.logger has unknown entries {unknown}; choose from {list(KNOWN_LOGGERS)}"
+    if c.trainer.val_samples_to_log < 0:
+        return f"trainer.val_samples_to_log={c.trainer.val_samples_to_log} must be >= 0 (0 writes no samples)"
     return None
 
 
@@ -89,4 +93,26 @@ def _backend(c: KetchConfig) -> str | None:
     return None
 
 
-_CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend)
+def _reward_sources(c: KetchConfig) -> str | None:
+    r = c.reward
+    unknown = sorted(set(r.weights or {}) - {"rule", "model"})
+    if unknown:
+        return f"reward.weights has unknown sources {unknown}; the sources are rule and model, e.g. {{rule: 1.0}}"
+    bad = {k: v for k, v in (r.weights or {}).items() if isinstance(v, bool) or not isinstance(v, int | float)}
+    if bad:
+        return f"reward.weights values must be numbers; got {bad}"
+    weights = r.source_weights
+    if not any(weights.values()):
+        return "reward.weights gives every source weight 0, so nothing would be rewarded; give rule or model a weight"
+    if weights["model"] and not r.model.path:
+        return "reward.weights gives the reward model a weight, but reward.model.path is not set; set it or drop model"
+    if (r.clip is not None or r.normalize) and not weights["model"]:
+        return "reward.clip and reward.normalize act on reward-model scores, but none are used; set reward.model.path"
+    if r.clip is not None and r.clip <= 0:
+        return f"reward.clip={r.clip} must be > 0 (or null to disable clipping)"
+    if r.model.micro_batch_size_per_device is not None and r.model.micro_batch_size_per_device < 1:
+        return f"reward.model.micro_batch_size_per_device={r.model.micro_batch_size_per_device} must be >= 1 (or null)"
+    return None
+
+
+_CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)

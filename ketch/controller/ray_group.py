@@ -53,8 +53,11 @@ class WorkerHost:
         os.environ.update(env)
 
     def where(self) -> dict[str, Any]:
-        return {"node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}  # fmt: skip
+        return {
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+        }
 
 
 class RoleGroup:
@@ -158,9 +161,10 @@ class RayWorkerGroup:
             if not ready:
                 ranks = sorted(pending.values())
                 raise WorkerTimeoutError(
-                    role, ranks[0], f"{method} did not return within {timeout}s (trainer.worker_timeout; "
-                    f"ranks still running: {ranks})",
-                )  # fmt: skip
+                    role,
+                    ranks[0],
+                    f"{method} did not return within {timeout}s (trainer.worker_timeout; ranks still running: {ranks})",
+                )
             rank = pending.pop(ready[0])
             results[rank] = self._result(ready[0], role, rank, method)
         return results

@@ -73,8 +73,10 @@ def load_engine(engine: TrainEngine, directory: Path) -> dict[str, Any]:
         logger.warning(
             "checkpoint %s was written by %d ranks and is loaded by %d: weights, optimizer and lr schedule are "
             "resharded and restored, the per-rank RNG states are not (sampling will differ from an unbroken run)",
-            directory, manifest["world_size"], world,
-        )  # fmt: skip
+            directory,
+            manifest["world_size"],
+            world,
+        )
     return extra
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
 import torch
@@ -133,7 +133,16 @@ class TrainEngine:
     # ----------------------------------------------------------------- weights
     def full_parameters(self, prefix: str = "", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter, gathered one at a time from the shards; names are
-        relative to the submodule `prefix` (e.g. `lm.` for the wrapped HF model)."""
-        for name, param in self.module.named_parameters():
-            tensor = param.full_tensor() if isinstance(param, DTensor) else param
-            yield name.removeprefix(prefix), tensor.detach().to(dtype or tensor.dtype)
+        relative to the submodule `prefix` (e.g. `lm.` for the wrapped HF model). Tied parameters come
+        under each of their names (some engines, like vLLM's CPU build, need `lm_head.weight` spelled out)."""
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        counts = Counter(id(param) for _, param in named)
+        tied: dict[int, torch.Tensor] = {}
+        for name, param in named:
+            tensor = tied.get(id(param))
+            if tensor is None:
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                tensor = full.detach().to(dtype or full.dtype)
+                if counts[id(param)] > 1:
+                    tied[id(param)] = tensor
+            yield name.removeprefix(prefix), tensor

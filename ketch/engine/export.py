@@ -14,16 +14,31 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, GenerationConfig
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    GenerationConfig,
+)
 
 from ketch.engine.engine import TrainEngine
 
-WRAPPER_PREFIXES = ("lm.", "critic.")
-"""Submodule names of `PolicyModel` / `ValueModel` in front of the HF parameter names."""
+WRAPPER_PREFIXES = ("lm.", "critic.", "reward_model.")
+"""Submodule names of `PolicyModel` / `ValueModel` / `ScoreModel` in front of the HF parameter names."""
 
 
 def is_critic_config(hf_config) -> bool:
     return any(name.endswith("ForTokenClassification") for name in hf_config.architectures or [])
+
+
+def is_reward_model_config(hf_config) -> bool:
+    return any(name.endswith("ForSequenceClassification") for name in hf_config.architectures or [])
+
+
+def _auto_class(hf_config):
+    if is_critic_config(hf_config):
+        return AutoModelForTokenClassification
+    return AutoModelForSequenceClassification if is_reward_model_config(hf_config) else AutoModelForCausalLM
 
 
 def write_hf_directory(
@@ -40,7 +55,7 @@ def write_hf_directory(
     `vllm_engine_config.json` when `engine_config` is given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    auto_cls = AutoModelForTokenClassification if is_critic_config(hf_config) else AutoModelForCausalLM
+    auto_cls = _auto_class(hf_config)
     with torch.device("meta"):
         skeleton = auto_cls.from_config(hf_config)
     skeleton.save_pretrained(out, state_dict=state, max_shard_size=max_shard_size, safe_serialization=True)

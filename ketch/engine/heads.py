@@ -1,4 +1,5 @@
-"""Forward wrappers that turn a HF model into what RL needs: per-token log-probs/entropy or values.
+"""Forward wrappers that turn a HF model into what RL needs: per-token log-probs/entropy, values, or one
+score per sequence (reward models).
 
 Each wrapper is the root module that FSDP shards, so that the whole computation, including the output
 projection, happens inside one root forward (where FSDP has the parameters gathered). Positions are
@@ -97,3 +98,32 @@ class ValueModel(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).logits
         return {"values": logits[:, -response_len - 1 : -1, 0].float().clone()}
+
+
+class ScoreModel(nn.Module):
+    """A backbone with a scalar head (`*ForSequenceClassification`, one label, head named `score`) that returns
+    one score per sequence, read from the hidden state of its last token with attention_mask 1. The
+    position comes from the mask, not from the model's pad-token rule, so it is right for left-padded
+    prompts, right-padded responses and any pad id."""
+
+    def __init__(self, reward_model: nn.Module):
+        super().__init__()
+        if not isinstance(getattr(reward_model, "score", None), nn.Linear):
+            raise TypeError(
+                f"{type(reward_model).__name__} has no linear `score` head; a reward model must be a "
+                "*ForSequenceClassification model of a decoder architecture (Llama, Qwen2, Mistral, GPT-2, ...)"
+            )
+        self.reward_model = reward_model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_len: int
+    ) -> dict[str, torch.Tensor]:
+        """Inputs `[batch, seq]`; returns `scores` `[batch]` in float32 (`response_len`, given by the engine to
+        every head, is not needed)."""
+        hidden = self.reward_model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        positions = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)
+        last = ((attention_mask != 0) * positions).amax(dim=-1).clamp(min=1) - 1
+        states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return {"scores": self.reward_model.score(states).squeeze(-1).float().clone()}

@@ -1,10 +1,12 @@
-"""Model loading (causal LMs, critics with a value head, tokenizers) and the built-in tiny model."""
+"""Model loading (causal LMs, critics with a value head, reward models with a score head, tokenizers) and the
+built-in tiny model."""
 
 from ketch.models.loader import (
     ModelLoadError,
     load_causal_lm,
     load_critic,
     load_model_config,
+    load_reward_model,
     load_tokenizer,
     quiet_transformers,
     resolve_dtype,
@@ -17,6 +19,7 @@ __all__ = [
     "load_causal_lm",
     "load_critic",
     "load_model_config",
+    "load_reward_model",
     "load_tokenizer",
     "quiet_transformers",
     "resolve_dtype",

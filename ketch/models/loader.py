@@ -1,4 +1,4 @@
-"""Load Hugging Face causal LMs, critics and tokenizers with the config fix-ups ketch needs.
+"""Load Hugging Face causal LMs, critics, reward models and tokenizers with the config fix-ups ketch needs.
 
 Every loader takes a local directory or a hub id. Failures name the path and what to check; hub ids
 are only fetched when the user asked for one (tests and the built-in run never touch the network).
@@ -13,7 +13,13 @@ from typing import Any
 import huggingface_hub
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
 
 logger = logging.getLogger("ketch.models")
 
@@ -94,6 +100,29 @@ def load_critic(
     what = "a critic (needs a *ForTokenClassification class for this architecture)"
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
     return _from_pretrained(AutoModelForTokenClassification, path, config, kwargs, what)
+
+
+def load_reward_model(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+) -> torch.nn.Module:
+    """The backbone at `path` with a scalar score head (`AutoModelForSequenceClassification`, one label).
+
+    A causal-LM checkpoint gives the backbone's weights and a freshly initialised head; a reward model
+    saved by ketch (or any one-label sequence classifier) gives both. `config.architectures` names the
+    loaded class, so that exports are written as a reward model."""
+    quiet_transformers()
+    override = {"classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
+    config = load_model_config(path, trust_remote_code, override)
+    config.num_labels = 1
+    what = "a reward model (needs a *ForSequenceClassification class for this architecture)"
+    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    model = _from_pretrained(AutoModelForSequenceClassification, path, config, kwargs, what)
+    model.config.architectures = [type(model).__name__]
+    return model
 
 
 def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: str):

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 
+from ketch.config.schema import KetchConfig
 from ketch.protocol import DataProto
 
-_BACKENDS: dict[str, Callable[..., Rollout]] = {}
+_BACKENDS: dict[str, type[Rollout] | str] = {"vllm": "ketch.rollout.vllm:VLLMRollout"}
+"""Backends by `rollout.name`; a string is imported on first use (vLLM is optional)."""
 
 
 class Rollout(ABC):
     """Samples responses for left-padded prompts.
 
-    `generate` takes `input_ids`, `attention_mask`, `position_ids` `[batch, prompt_len]` and returns
-    `prompts` `[batch, prompt_len]`, `responses` and `response_mask` `[batch, response_len]` (right-padded;
-    the mask covers the response up to and including its first stop token), the concatenated
-    `input_ids`/`attention_mask`/`position_ids` `[batch, prompt_len + response_len]`, and
-    `rollout_log_probs` `[batch, response_len]` when the backend has them. `meta_info` may override
-    `do_sample` and `temperature` for one call (validation decodes greedily)."""
+    Built as `Backend(config, model_path, tokenizer, dtype, device, seed)`. `generate` takes `input_ids`,
+    `attention_mask`, `position_ids` `[batch, prompt_len]` and returns `prompts` `[batch, prompt_len]`,
+    `responses` and `response_mask` `[batch, response_len]` (right-padded; the mask covers the response up
+    to and including its first stop token), the concatenated `input_ids`/`attention_mask`/`position_ids`
+    `[batch, prompt_len + response_len]`, and `rollout_log_probs` `[batch, response_len]` (the sampled
+    tokens' log-probs at the sampling temperature). `meta_info` may override `do_sample` and
+    `temperature` for one call (validation decodes greedily)."""
 
     @abstractmethod
     def generate(self, prompts: DataProto) -> DataProto: ...
@@ -28,6 +32,10 @@ class Rollout(ABC):
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, given as (HF parameter name, full tensor) pairs, without touching disk."""
+
+    @abstractmethod
+    def weight_norm(self, name: str) -> float:
+        """The norm of one parameter as the engine holds it (checks a weight hand-off)."""
 
     def sleep(self) -> None:
         """Free generation memory while training runs (a no-op where the backend holds none)."""
@@ -39,19 +47,30 @@ class Rollout(ABC):
 
 
 def register_rollout(name: str):
-    """Register a backend factory under `rollout.name`."""
+    """Register a backend class under `rollout.name`."""
 
-    def wrap(factory):
-        _BACKENDS[name] = factory
-        return factory
+    def wrap(cls):
+        _BACKENDS[name] = cls
+        return cls
 
     return wrap
 
 
-def get_rollout_class(name: str) -> Callable[..., Rollout]:
+def get_rollout_class(name: str) -> type[Rollout]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown rollout backend {name!r} (rollout.name); available: {sorted(_BACKENDS)}")
-    return _BACKENDS[name]
+    backend = _BACKENDS[name]
+    if isinstance(backend, str):
+        module, attr = backend.split(":")
+        backend = _BACKENDS[name] = getattr(importlib.import_module(module), attr)
+    return backend
+
+
+def build_rollout(
+    config: KetchConfig, model_path: str, tokenizer, dtype: torch.dtype, device: torch.device, seed: int
+) -> Rollout:
+    """The backend named by `rollout.name`, loaded from `model_path`."""
+    return get_rollout_class(config.rollout.name)(config, model_path, tokenizer, dtype, device, seed)
 
 
 def stop_token_ids(eos_token_id: int, extra: list[int]) -> list[int]:

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ketch.config.schema import RolloutConfig
+from ketch.config.schema import KetchConfig
+from ketch.models import load_causal_lm
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops, stop_token_ids
+from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 
 @register_rollout("hf")
@@ -18,34 +20,57 @@ class HFRollout(Rollout):
     """Generates with transformers' `generate`; returns the sampled tokens' log-probs too."""
 
     def __init__(
-        self, model: nn.Module, config: RolloutConfig, max_response_length: int, pad_token_id: int, eos_token_id: int
+        self, config: KetchConfig, model_path: str, tokenizer, dtype: torch.dtype, device: torch.device, seed: int
     ):
-        self.model = model.eval()
-        self.config = config
-        self.max_response_length = max_response_length
-        self.pad_token_id = pad_token_id
-        self.stop_token_ids = stop_token_ids(eos_token_id, config.stop_token_ids)
+        m = config.model
+        model = load_causal_lm(model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+        self.model = model.to(device).eval()
+        self.config = config.rollout
+        self.max_response_length = config.data.max_response_length
+        self.pad_token_id = tokenizer.pad_token_id
+        self.stop_token_ids = stop_token_ids(tokenizer.eos_token_id, config.rollout.stop_token_ids)
+        static = config.rollout.hf_decoding == "static" or (
+            config.rollout.hf_decoding == "auto" and device.type == "cuda"
+        )
+        self.decoder = StaticDecoder(self.model, compile_step=device.type == "cuda") if static else None
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
         do_sample = prompts.meta_info.get("do_sample", self.config.do_sample)
         temperature = prompts.meta_info.get("temperature", self.config.temperature) if do_sample else 1.0
         device = next(self.model.parameters()).device
-        prompt_ids = prompts.batch["input_ids"].to(device)
-        out = self.model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompts.batch["attention_mask"].to(device),
-            generation_config=self._generation_config(do_sample, temperature),
-        )
-        responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
+        prompts = prompts.to(device)
+        if self.decoder is not None:
+            responses, log_probs = self._decode_static(prompts, do_sample, temperature)
+        else:
+            responses, log_probs = self._decode_generate(prompts, do_sample, temperature)
         if self.config.ignore_eos:
             response_mask = torch.ones_like(responses)
         else:
             response_mask = response_mask_from_stops(responses, self.stop_token_ids)
         responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
-        result = assemble_sequences(prompts.to(device), responses, response_mask)
-        result.batch["rollout_log_probs"] = self._log_probs(out.logits, responses, temperature) * response_mask
+        result = assemble_sequences(prompts, responses, response_mask)
+        result.batch["rollout_log_probs"] = log_probs * response_mask
         return result
+
+    def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float):
+        prompt_ids = prompts.batch["input_ids"]
+        out = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompts.batch["attention_mask"],
+            generation_config=self._generation_config(do_sample, temperature),
+        )
+        responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
+        return responses, self._log_probs(out.logits, responses, temperature)
+
+    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float):
+        r = self.config
+        sampling = Sampling(do_sample, temperature, r.top_p, r.top_k)
+        stops = None if r.ignore_eos else self.stop_token_ids
+        b = prompts.batch
+        return self.decoder.generate(
+            b["input_ids"], b["attention_mask"], self.max_response_length, sampling, stops, self.pad_token_id
+        )
 
     def _generation_config(self, do_sample: bool, temperature: float) -> GenerationConfig:
         sampling = {"temperature": temperature, "top_p": self.config.top_p, "top_k": self.config.top_k}
@@ -74,9 +99,12 @@ class HFRollout(Rollout):
     def _pad_float(self, values: torch.Tensor) -> torch.Tensor:
         return nn.functional.pad(values, (0, self.max_response_length - values.shape[-1]))
 
+    def weight_norm(self, name: str) -> float:
+        return self.model.get_parameter(name).float().norm().item()
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")

@@ -14,7 +14,7 @@ from ketch.trainer.checkpoint import read_trainer_state
 
 logger = logging.getLogger("ketch")
 
-ROLES = ("actor", "critic")
+ROLES = ("actor", "critic", "reward_model")
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "actor") -> Path:
@@ -30,6 +30,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "
     state = load_checkpoint_state(part)
     if role == "critic":
         return write_hf_directory(state, hf_config, out_dir)
+    if role == "reward_model":
+        return write_hf_directory(state, hf_config, out_dir, AutoTokenizer.from_pretrained(part / "hf"))
     engine_config = json.loads((checkpoint / "vllm_engine_config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(part / "hf")
     out = write_hf_directory(state, hf_config, out_dir, tokenizer, engine_config["stop_token_ids"], engine_config)

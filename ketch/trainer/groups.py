@@ -1,8 +1,9 @@
 """Build the worker groups of a run: in this process (local backend) or as Ray actors.
 
 With Ray, the roles of a rank share one process per device (`trainer.placement=colocate`), or the critic
-gets a resource pool of its own (`split`). Either way the trainer receives role groups with the same
-methods, so trainer code does not change with placement.
+gets a resource pool of its own (`split`); so does the reward model with `reward.model.placement=split`.
+Either way the trainer receives role groups with the same methods, so trainer code does not change with
+placement.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from ketch.config import BatchPlan, KetchConfig
 from ketch.controller import LocalWorkerGroup
-from ketch.workers import ActorRolloutRefWorker, CriticWorker
+from ketch.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 
 logger = logging.getLogger("ketch")
 
@@ -25,8 +26,9 @@ logger = logging.getLogger("ketch")
 class WorkerGroups:
     """The role groups of a run and what must be shut down at the end."""
 
-    actor_rollout: Any
+    actor_rollout: Any = None
     critic: Any = None
+    reward_model: Any = None
     owned: list = field(default_factory=list)
     """The groups that hold worker processes or models, shut down together."""
 
@@ -37,43 +39,65 @@ class WorkerGroups:
 
 
 def build_worker_groups(
-    config: KetchConfig, model_path: str, plan: BatchPlan, actor_updates: int, critic_updates: int | None = None
+    config: KetchConfig,
+    model_path: str,
+    plan: BatchPlan,
+    actor_updates: int,
+    critic_updates: int | None = None,
+    reward_model_path: str | None = None,
 ) -> WorkerGroups:
-    """Actor+rollout(+reference) and, when `critic_updates` is given, critic groups, models loaded.
-    The update counts size the learning-rate schedules."""
-    actor = (ActorRolloutRefWorker, config, model_path, plan, actor_updates)
-    critic = (CriticWorker, config, model_path, plan, critic_updates) if critic_updates is not None else None
+    """Actor+rollout(+reference) and, when `critic_updates` is given, critic groups, and, when
+    `reward_model_path` is given, a frozen reward model; models loaded. The update counts size the
+    learning-rate schedules."""
+    specs = {"actor_rollout": (ActorRolloutRefWorker, config, model_path, plan, actor_updates)}
+    if critic_updates is not None:
+        specs["critic"] = (CriticWorker, config, model_path, plan, critic_updates)
+    if reward_model_path is not None:
+        tokenizer_path = config.reward.model.tokenizer_path or reward_model_path
+        actor_tokenizer = config.model.tokenizer_path or model_path
+        specs["reward_model"] = (RewardModelWorker, config, reward_model_path, tokenizer_path, None, actor_tokenizer)
+    return _build(config, specs)
+
+
+def build_reward_model_group(config: KetchConfig, model_path: str, total_updates: int) -> WorkerGroups:
+    """The reward model alone, trainable (`ketch rm`): `model_path` is the backbone (or reward model) it
+    starts from, with the tokenizer `model.tokenizer_path` or `model_path`."""
+    tokenizer_path = config.model.tokenizer_path or model_path
+    return _build(config, {"reward_model": (RewardModelWorker, config, model_path, tokenizer_path, total_updates)})
+
+
+def _build(config: KetchConfig, specs: dict[str, tuple]) -> WorkerGroups:
+    """Groups of the roles in `specs` (role -> (worker class, *init args)), then `init_model` on each."""
     if config.uses_ray(torch.cuda.is_available()):
-        groups = _ray_groups(config, actor, critic)
+        groups = _ray_groups(config, specs)
     else:
-        local_actor = LocalWorkerGroup(*actor, role="actor_rollout")
-        local_critic = LocalWorkerGroup(*critic, role="critic") if critic else None
-        groups = WorkerGroups(local_actor, local_critic, [g for g in (local_actor, local_critic) if g])
-    groups.actor_rollout.init_model()
-    if groups.critic is not None:
-        groups.critic.init_model()
+        local = {role: LocalWorkerGroup(*spec, role=role) for role, spec in specs.items()}
+        groups = WorkerGroups(**local, owned=list(local.values()))
+    for role in specs:
+        getattr(groups, role).init_model()
     return groups
 
 
-def _ray_groups(config: KetchConfig, actor: tuple, critic: tuple | None) -> WorkerGroups:
+def _ray_groups(config: KetchConfig, specs: dict[str, tuple]) -> WorkerGroups:
+    """The roles colocated in one group, except the critic (`trainer.placement=split`) and the reward model
+    (`reward.model.placement=split`), which then get a resource pool each."""
     from ketch.controller.ray_group import RayClassWithInitArgs, RayWorkerGroup
     from ketch.controller.resource_pool import RayResourcePool
 
     t = config.trainer
     use_gpu = config.uses_gpu(torch.cuda.is_available())
     per_node = t.n_gpus_per_node if use_gpu else t.n_cpu_workers
-    split = critic is not None and t.placement == "split"
-    connect_ray(t.ray_address, bundles=per_node * t.nnodes * (2 if split else 1))
-    specs = {"actor_rollout": RayClassWithInitArgs(*actor)}
-    if critic is not None and not split:
-        specs["critic"] = RayClassWithInitArgs(*critic)
-    main = RayWorkerGroup(RayResourcePool([per_node] * t.nnodes, use_gpu, name="ketch"), specs, t.worker_timeout)
-    groups = WorkerGroups(main.role("actor_rollout"), main.roles.get("critic"), [main])
-    if split:
-        pool = RayResourcePool([per_node] * t.nnodes, use_gpu, name="ketch-critic")
-        critic_group = RayWorkerGroup(pool, {"critic": RayClassWithInitArgs(*critic)}, t.worker_timeout)
-        groups.critic = critic_group.role("critic")
-        groups.owned.append(critic_group)
+    placements = {"critic": t.placement, "reward_model": config.reward.model.placement}
+    split = [role for role in specs if placements.get(role) == "split" and len(specs) > 1]
+    connect_ray(t.ray_address, bundles=per_node * t.nnodes * (1 + len(split)))
+    groups = WorkerGroups()
+    for pool_roles in ([role for role in specs if role not in split], *([role] for role in split)):
+        name = "ketch" if "actor_rollout" in pool_roles else f"ketch-{pool_roles[0]}"
+        pool = RayResourcePool([per_node] * t.nnodes, use_gpu, name=name)
+        group = RayWorkerGroup(pool, {r: RayClassWithInitArgs(*specs[r]) for r in pool_roles}, t.worker_timeout)
+        for role in pool_roles:
+            setattr(groups, role, group.role(role))
+        groups.owned.append(group)
     return groups
 
 

@@ -20,6 +20,7 @@ import torch
 
 from ketch.config import to_dict
 from ketch.controller.errors import WorkerDiedError, WorkerError, is_out_of_memory
+from ketch.report import write_report
 from ketch.rollout import stop_token_ids
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import CheckpointManager, read_trainer_state
@@ -60,16 +61,23 @@ class TrainingLoop:
         t = self.config.trainer
         metrics: dict[str, float] = {}
         if self.step == 0 and t.val_before_train and self.val_set is not None:
-            self.tracker.log(self._validate(step=0), step=0)
+            self.tracker.log(self._validate_and_log_samples(step=0), step=0)
         while self.step < self.total_steps:
             step = self.step + 1
             metrics = self._train_step(self.loader.next_batch(), step)
             if self._due(t.test_freq, step) and self.val_set is not None:
-                metrics |= self._validate(step)
+                metrics |= self._validate_and_log_samples(step)
             self.step, self.loader_state = step, self.loader.state_dict()
             self.tracker.log(metrics, step)
             if self._due(t.save_freq, step) or step == self.total_steps:
                 self._save_checkpoint()
+        return metrics
+
+    def _validate_and_log_samples(self, step: int) -> dict[str, float]:
+        """Validate; the responses to the first `trainer.val_samples_to_log` prompts go to `samples.jsonl`."""
+        metrics = self._validate(step)
+        keep = self.config.trainer.val_samples_to_log
+        self.tracker.log_samples([r for r in getattr(metrics, "samples", []) if r["prompt_id"] < keep], step)
         return metrics
 
     def _due(self, freq: int, step: int) -> bool:
@@ -83,12 +91,22 @@ class TrainingLoop:
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
         )
-        self.tracker = Tracker(self.run_dir, c.trainer.logger, self.total_steps, c.trainer.log_interval)
+        self.tracker = Tracker(
+            self.run_dir,
+            c.trainer.logger,
+            self.total_steps,
+            c.trainer.log_interval,
+            project=c.trainer.project_name,
+            experiment=c.trainer.experiment_name,
+            config=to_dict(c),
+        )
         self.failures = []
         self.groups = self._build_groups()
         self._resume(self._resume_path())
-        info(f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
-             f"{self.plan.sequences_per_step} samples")  # fmt: skip
+        info(
+            f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
+            f"{self.plan.sequences_per_step} samples"
+        )
 
     def _resume_path(self) -> Path | None:
         mode = self.config.trainer.resume_mode
@@ -111,12 +129,15 @@ class TrainingLoop:
         self.loader_state = self.loader.state_dict()
         if self.kl_ctrl is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self._load_extra_state(state)
         self.tracker.truncate_after(self.step)
         self.tracker.event("resume", step=self.step, checkpoint=str(checkpoint))
         info(f"resumed from {checkpoint} at step {self.step}")
         if self.step >= self.total_steps:
-            info(f"this run already finished its {self.total_steps} steps; to train again, set "
-                 "trainer.resume_mode=disable or another trainer.experiment_name")  # fmt: skip
+            info(
+                f"this run already finished its {self.total_steps} steps; to train again, set "
+                "trainer.resume_mode=disable or another trainer.experiment_name"
+            )
 
     def _save_checkpoint(self) -> Path:
         """Checkpoint the state after the last completed step (`self.loader_state` is the data position)."""
@@ -132,6 +153,7 @@ class TrainingLoop:
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                 "val_history": self.val_history,
                 "world_size": self.plan.world_size,
+                **self._extra_state(),
             }
             path = self.checkpoints.commit(staging, self.step, state, to_dict(self.config))
         except BaseException:
@@ -176,7 +198,8 @@ class TrainingLoop:
             self._try_checkpoint_on_failure()
         self.groups.shutdown()
         if len(self.failures) > t.max_retries:
-            self.tracker.close()
+            self.tracker.close(failed=True)
+            self._write_report()
             raise RunFailedError(self._failure_summary()) from err
         if failure["out_of_memory"]:
             time.sleep(t.oom_retry_delay)
@@ -198,8 +221,10 @@ class TrainingLoop:
             logger.warning("could not save a checkpoint at the failure:\n%s", traceback.format_exc())
 
     def _failure_summary(self) -> str:
-        lines = [f"the run failed {len(self.failures)} time(s), more than trainer.max_retries="
-                 f"{self.config.trainer.max_retries} allows:"]  # fmt: skip
+        lines = [
+            f"the run failed {len(self.failures)} time(s), more than trainer.max_retries="
+            f"{self.config.trainer.max_retries} allows:"
+        ]
         lines += [f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}" for f in self.failures]
         return "\n".join(lines)
 
@@ -210,7 +235,19 @@ class TrainingLoop:
         self.groups.shutdown()
         self.tracker.event("end", step=self.step, model=str(model_dir))
         self.tracker.close()
+        self._write_report()
         info(self.summary(metrics))
+
+    def _write_report(self) -> None:
+        """`report.html`, plots and `summary.txt` in the run directory; a failure here only warns."""
+        try:
+            path = write_report(self.run_dir)
+        except Exception:  # the run's outputs are complete without the report; say how to make it again
+            logger.warning(
+                "could not write the run report (retry: ketch report %s):\n%s", self.run_dir, traceback.format_exc()
+            )
+            return
+        info(f"report: {path}")
 
     def summary(self, metrics: dict[str, float]) -> str:
         """First vs last validation accuracy and reward, and where the outputs are."""
@@ -235,6 +272,13 @@ class TrainingLoop:
 
     def _validate(self, step: int) -> dict[str, float]:
         raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        """More driver-side state to save in `trainer_state.json` (e.g. running reward statistics)."""
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what `_extra_state` saved, from the whole trainer state."""
 
 
 def _first_line(err: BaseException) -> str:

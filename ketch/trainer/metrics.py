@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,11 +67,75 @@ def throughput_metrics(batch: DataProto, step_seconds: float, world_size: int) -
     }
 
 
-def validation_metrics(data_sources: np.ndarray, scores: np.ndarray, lengths: np.ndarray) -> dict[str, float]:
-    """`val/<data_source>/acc` (mean score) per source and the mean response length."""
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for source, score in zip(data_sources, scores, strict=True):
-        by_source[str(source)].append(float(score))
-    metrics = {f"val/{source}/acc": float(np.mean(values)) for source, values in by_source.items()}
+CORRECT_SCORE = 1.0
+"""A validation response counts as correct (for pass@k and maj@k) when its score is at least this: full credit.
+Partial credit (a format bonus of 0.1, say) is not a solved problem."""
+
+
+def validation_metrics(
+    data_sources: np.ndarray,
+    scores: np.ndarray,
+    lengths: np.ndarray,
+    answers: Sequence[Any] | None = None,
+    n: int = 1,
+) -> dict[str, float]:
+    """Per data source: `val/<source>/acc` (mean score over every response, i.e. mean@1) and, when `n` > 1,
+    `val/<source>/pass@k` for k in `pass_k_values(n)` and, given `answers`, `val/<source>/maj@n`; then
+    `val/response_length/mean`.
+
+    Rows come in groups of `n` consecutive responses to one prompt. `answers` (one per row; None = no answer)
+    are what the majority vote counts."""
+    if n < 1 or len(scores) % n:
+        raise ValueError(f"validation_metrics needs whole groups of n={n} responses per prompt; got {len(scores)} rows")
+    per_prompt = np.asarray(scores, dtype=np.float64).reshape(-1, n)
+    sources = np.array([str(s) for s in data_sources[::n]], dtype=object)
+    metrics: dict[str, float] = {}
+    for source in dict.fromkeys(sources):
+        rows = np.flatnonzero(sources == source)
+        metrics[f"val/{source}/acc"] = float(per_prompt[rows].mean())
+        if n == 1:
+            continue
+        correct = per_prompt[rows] >= CORRECT_SCORE
+        for k in pass_k_values(n):
+            metrics[f"val/{source}/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct.sum(1)]))
+        if answers is not None:
+            votes = [majority_correct(answers[p * n : (p + 1) * n], correct[i]) for i, p in enumerate(rows)]
+            metrics[f"val/{source}/maj@{n}"] = float(np.mean(votes))
     metrics["val/response_length/mean"] = float(np.mean(lengths))
     return metrics
+
+
+def pass_k_values(n: int) -> list[int]:
+    """The k of pass@k logged for `n` samples per prompt: 2, 4, 8, ... below n, and n itself (none for n = 1;
+    pass@1 is the mean accuracy `acc` for 0/1 scores)."""
+    if n < 2:
+        return []
+    return [k for k in (2**i for i in range(1, n.bit_length())) if k < n] + [n]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimator of Chen et al. 2021, 1 - C(n-c, k) / C(n, k): the chance that k responses
+    drawn without replacement from `n`, of which `c` are correct, hold at least one correct one."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(answers: Sequence[Any], correct: Sequence[bool]) -> bool:
+    """Whether the most frequent answer among one prompt's responses is a correct one (maj@k).
+
+    None answers abstain; a tie goes to the answer given first; the answer's correctness is that of the first
+    response giving it (a deterministic scorer scores equal answers alike). False when every response abstains."""
+    votes: dict[Any, int] = {}
+    first_correct: dict[Any, bool] = {}
+    for answer, ok in zip(answers, correct, strict=True):
+        if answer is None:
+            continue
+        key = answer if isinstance(answer, Hashable) else repr(answer)
+        votes[key] = votes.get(key, 0) + 1
+        first_correct.setdefault(key, bool(ok))
+    if not votes:
+        return False
+    return first_correct[max(votes, key=votes.__getitem__)]

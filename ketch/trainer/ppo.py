@@ -15,8 +15,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ketch.algorithms import apply_kl_penalty, build_kl_controller, get_adv_estimator, robust_compute_advantage
+from ketch.algorithms import (
+    RewardMixer,
+    apply_kl_penalty,
+    build_kl_controller,
+    get_adv_estimator,
+    robust_compute_advantage,
+)
 from ketch.config import KetchConfig, derive_batch_plan
+from ketch.config.batch import recompute_old_log_prob
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_model_config, load_tokenizer
@@ -42,6 +49,10 @@ class PPOTrainer(TrainingLoop):
         load_model_config(self.model_path, c.model.trust_remote_code)  # a bad model path fails before any work
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
+        self.reward_model_path = _local_or_hub(c.reward.model.path) if c.reward.model.path else None
+        if self.reward_model_path is not None:  # a bad reward model path fails before any work
+            load_model_config(self.reward_model_path, c.model.trust_remote_code)
+        self.mixer = RewardMixer(c.reward.source_weights, c.reward.clip, c.reward.normalize)
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
@@ -55,8 +66,10 @@ class PPOTrainer(TrainingLoop):
         p, steps = self.plan, self.total_steps
         critic_updates = steps * p.critic.num_mini_batches * p.critic.epochs if p.critic else None
         actor_updates = steps * p.actor.num_mini_batches * p.actor.epochs
-        groups = build_worker_groups(self.config, self.model_path, p, actor_updates, critic_updates)
-        self.actor_rollout, self.critic = groups.actor_rollout, groups.critic
+        groups = build_worker_groups(
+            self.config, self.model_path, p, actor_updates, critic_updates, self.reward_model_path
+        )
+        self.actor_rollout, self.critic, self.reward_model = groups.actor_rollout, groups.critic, groups.reward_model
         return groups
 
     def _train_step(self, batch: DataProto, step: int) -> dict[str, float]:
@@ -67,8 +80,9 @@ class PPOTrainer(TrainingLoop):
             batch = self._generate(batch, step)
         with _timed(timings, "reward"):
             batch, metrics = self._score(batch)
-        with _timed(timings, "old_log_prob"):
-            batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+        if recompute_old_log_prob(self.config, self.plan):
+            with _timed(timings, "old_log_prob"):
+                batch = batch.union(self.actor_rollout.compute_log_prob(batch))
         if self.config.use_reference:
             with _timed(timings, "ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
@@ -101,17 +115,31 @@ class PPOTrainer(TrainingLoop):
         batch = batch.union(self.actor_rollout.generate_sequences(prompts))
         if self.config.algorithm.adv_estimator == "remax":
             prompts.meta_info["do_sample"] = False
-            scores, _ = self.reward(batch.select(batch_keys=[]).union(self.actor_rollout.generate_sequences(prompts)))
+            greedy = batch.select(batch_keys=[]).union(self.actor_rollout.generate_sequences(prompts))
+            scores, _ = self._scores(greedy, update_stats=False)
             batch.batch["reward_baselines"] = scores.sum(-1)
         self._warn_if_all_truncated(batch, step)
         return batch
 
     def _score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        scores, details = self.reward(batch)
-        batch.batch["token_level_scores"] = scores
-        metrics = {"reward/num_errors": float(details["num_errors"])}
-        metrics |= {f"reward/{k}/mean": float(np.nanmean(v)) for k, v in details["extra"].items() if v.dtype != object}
+        batch.batch["token_level_scores"], metrics = self._scores(batch)
         return batch, metrics
+
+    def _scores(self, batch: DataProto, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+        """`token_level_scores` `[batch, response_len]`: rule-based scores (when weighted) and reward-model scores
+        (when there is a reward model; also kept in the batch as `rm_scores`) mixed per `reward.weights`."""
+        rule, metrics = None, {}
+        if self.mixer.weights["rule"]:
+            rule, details = self.reward(batch)
+            metrics["reward/num_errors"] = float(details["num_errors"])
+            extra = details["extra"].items()
+            metrics |= {f"reward/{k}/mean": float(np.nanmean(v)) for k, v in extra if v.dtype != object}
+        if self.reward_model is not None:
+            keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask"]
+            inputs = batch.select(keys, [k for k in ("raw_prompt",) if k in batch.non_tensor_batch], [])
+            batch.batch["rm_scores"] = self.reward_model.compute_rm_score(inputs).batch["rm_scores"]
+        scores, mixed = self.mixer(batch.batch["response_mask"], rule, batch.batch.get("rm_scores"), update_stats)
+        return scores, metrics | mixed
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm
@@ -135,8 +163,10 @@ class PPOTrainer(TrainingLoop):
 
     def _for_update(self, batch: DataProto) -> DataProto:
         """Only what the actor update reads travels to the workers."""
-        keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "old_log_prob"]
-        keys += ["advantages"] + (["ref_log_prob"] if self.config.actor.use_kl_loss else [])
+        keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
+        keys += [k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch]
+        if not self.config.actor.use_kl_loss and "ref_log_prob" in keys:
+            keys.remove("ref_log_prob")
         return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
 
     def _validate(self, step: int) -> dict[str, float]:
@@ -147,6 +177,12 @@ class PPOTrainer(TrainingLoop):
         )
         self.val_history.append({"step": step, **metrics})
         return metrics
+
+    def _extra_state(self) -> dict:
+        return {"reward_mixer": self.mixer.state_dict()}
+
+    def _load_extra_state(self, state: dict) -> None:
+        self.mixer.load_state_dict(state.get("reward_mixer") or {})
 
     # ----------------------------------------------------------------- helpers
     def _warn_if_all_truncated(self, batch: DataProto, step: int) -> None:
@@ -162,6 +198,12 @@ class PPOTrainer(TrainingLoop):
                 step,
                 self.config.data.max_response_length,
             )
+
+
+def _local_or_hub(path: str) -> str:
+    """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
 
 
 @contextmanager

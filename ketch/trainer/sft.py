@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ketch.config import KetchConfig, derive_batch_plan
+from ketch.config import KetchConfig, derive_batch_plan, to_dict
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_tokenizer
@@ -43,7 +43,15 @@ class SFTTrainer:
         """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`,
         given the metrics of a validated step, ends training early when it returns True."""
         c = self.config
-        tracker = Tracker(self.run_dir, c.trainer.logger, self.total_steps, c.trainer.log_interval)
+        tracker = Tracker(
+            self.run_dir,
+            c.trainer.logger,
+            self.total_steps,
+            c.trainer.log_interval,
+            project=c.trainer.project_name,
+            experiment=c.trainer.experiment_name,
+            config=to_dict(c),
+        )
         plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         groups = build_worker_groups(c, c.model.path, plan, self.total_steps)
         group = groups.actor_rollout

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
+
+import numpy as np
 
 from ketch.config.schema import ValSamplingConfig
 from ketch.protocol import DataProto
@@ -10,11 +14,20 @@ from ketch.rewards import RewardScorer
 from ketch.trainer.metrics import validation_metrics
 
 
+class ValidationResult(dict):
+    """The metrics of one validation, a `dict[str, float]` to every caller, with the generated responses on the
+    side: `samples` holds one row per response (`prompt_id`, `sample`, `data_source`, `prompt`, `response`,
+    `ground_truth`, `score`, and `pred` when the scorer extracted an answer), prompts in dataset order."""
+
+    samples: list[dict[str, Any]]
+
+
 def generate_and_score(
     actor_rollout, dataset, reward: RewardScorer, sampling: ValSamplingConfig, batch_size: int | None
-) -> dict[str, float]:
-    """`val/<data_source>/acc`, `val/response_length/mean` and `timing_s/testing` over the whole `dataset`
-    (`sampling.n` samples per prompt; `batch_size` prompts per generation call, None = all at once)."""
+) -> ValidationResult:
+    """`val/<data_source>/acc`, with `sampling.n` > 1 also `pass@k` and `maj@n` (see `validation_metrics`),
+    `val/response_length/mean` and `timing_s/testing` over the whole `dataset` (`sampling.n` samples per prompt;
+    `batch_size` prompts per generation call, None = all at once)."""
     start = time.perf_counter()
     data = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(len(dataset))]))
     data = data.repeat(sampling.n, interleave=True)
@@ -22,8 +35,60 @@ def generate_and_score(
     prompts.meta_info = {"do_sample": sampling.do_sample, "temperature": sampling.temperature}
     parts = prompts.split((batch_size or len(dataset)) * sampling.n)
     data = data.union(DataProto.concat([actor_rollout.generate_sequences(p) for p in parts]))
-    scores, _ = reward(data)
+    _, info = reward(data)
+    answers = extracted_answers(info)
     lengths = data.batch["response_mask"].sum(-1).numpy()
-    metrics = validation_metrics(data.non_tensor_batch["data_source"], scores.sum(-1).numpy(), lengths)
-    metrics["timing_s/testing"] = time.perf_counter() - start
-    return metrics
+    sources = data.non_tensor_batch["data_source"]
+    result = ValidationResult(validation_metrics(sources, info["scores"], lengths, answers, sampling.n))
+    result.samples = _sample_rows(data, info, _prompt_texts(prompts[:: sampling.n], reward.tokenizer), sampling.n)
+    result["timing_s/testing"] = time.perf_counter() - start
+    return result
+
+
+def extracted_answers(info: dict[str, Any]) -> list[Any]:
+    """The answer of each response that maj@k votes on: the scorer's `pred` field (None = no answer, abstains);
+    where a scorer gives no `pred`, the stripped response text."""
+    texts = info["response_texts"]
+    preds = info["extra"].get("pred")
+    if preds is None:
+        return [text.strip() for text in texts]
+    return [text.strip() if _missing(pred) else pred for pred, text in zip(preds, texts, strict=True)]
+
+
+def _missing(pred: Any) -> bool:
+    """`RewardScorer` fills a field that a scorer left out with NaN."""
+    return isinstance(pred, float) and math.isnan(pred)
+
+
+def _prompt_texts(prompts: DataProto, tokenizer) -> list[str]:
+    """The prompts as the model saw them (special tokens dropped), padding removed."""
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+    rows = [row[keep].tolist() for row, keep in zip(ids, mask, strict=True)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def _sample_rows(data: DataProto, info: dict[str, Any], prompts: list[str], n: int) -> list[dict[str, Any]]:
+    """One JSON-ready row per response (see `ValidationResult`)."""
+    preds = info["extra"].get("pred")
+    rows = []
+    for i, response in enumerate(info["response_texts"]):
+        row = {
+            "prompt_id": i // n,
+            "sample": i % n,
+            "data_source": str(data.non_tensor_batch["data_source"][i]),
+            "prompt": prompts[i // n],
+            "response": response,
+            "ground_truth": _jsonable(data.non_tensor_batch["ground_truth"][i]),
+            "score": float(info["scores"][i]),
+        }
+        if preds is not None and not _missing(preds[i]):
+            row["pred"] = _jsonable(preds[i])
+        rows.append(row)
+    return rows
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` as JSON can hold it: numpy scalars as Python numbers, anything else unusual as its text."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return value if isinstance(value, str | int | float | bool | type(None)) else str(value)

@@ -2,5 +2,6 @@
 
 from ketch.workers.actor import ActorRolloutRefWorker
 from ketch.workers.critic import CriticWorker
+from ketch.workers.reward_model import RewardModelWorker
 
-__all__ = ["ActorRolloutRefWorker", "CriticWorker"]
+__all__ = ["ActorRolloutRefWorker", "CriticWorker", "RewardModelWorker"]

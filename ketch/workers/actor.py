@@ -20,7 +20,7 @@ from ketch.engine.heads import PolicyModel
 from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
-from ketch.rollout import get_rollout_class, stop_token_ids
+from ketch.rollout import build_rollout, stop_token_ids
 from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
 
 
@@ -48,12 +48,8 @@ class ActorRolloutRefWorker(Worker):
             gradient_checkpointing=c.model.gradient_checkpointing,
         )
         self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
-        self.rollout = get_rollout_class(c.rollout.name)(
-            self._load(self.dtype).to(self.device),
-            c.rollout,
-            c.data.max_response_length,
-            self.tokenizer.pad_token_id,
-            self.tokenizer.eos_token_id,
+        self.rollout = build_rollout(
+            c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank
         )
         self.hf_config = self.actor.module.lm.config
         self._sync_rollout()
@@ -64,8 +60,12 @@ class ActorRolloutRefWorker(Worker):
 
     @register(DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sample responses for this rank's prompts (see `Rollout.generate` for the fields)."""
-        return self.rollout.generate(prompts).to("cpu")
+        """Sample responses for this rank's prompts (see `Rollout.generate` for the fields); the rollout
+        engine's memory is given back to training afterwards."""
+        self.rollout.wake_up()
+        out = self.rollout.generate(prompts).to("cpu")
+        self.rollout.sleep()
+        return out
 
     @register(DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -92,8 +92,10 @@ class ActorRolloutRefWorker(Worker):
         a = self.config.actor
         max_tokens = a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
         seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
+        entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
         steps = [
-            self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(a.entropy_coeff != 0))
+            self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy))
             for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, max_tokens)
         ]
         self.update_count += 1
@@ -104,12 +106,22 @@ class ActorRolloutRefWorker(Worker):
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
         a, b = self.config.actor, micro.batch
         mask, counts = b["response_mask"], {"num_tokens": num_tokens, "num_seqs": num_seqs}
+        old_log_prob = b["old_log_prob"] if "old_log_prob" in b else out["log_prob"].detach()  # on-policy: ratio 1
         pg_loss, pg = get_policy_loss("vanilla")(
-            b["old_log_prob"], out["log_prob"], b["advantages"], mask, a.clip_ratio_low, a.clip_ratio_high,
-            a.clip_ratio_c, a.loss_agg_mode, **counts,
-        )  # fmt: skip
+            old_log_prob,
+            out["log_prob"],
+            b["advantages"],
+            mask,
+            a.clip_ratio_low,
+            a.clip_ratio_high,
+            a.clip_ratio_c,
+            a.loss_agg_mode,
+            **counts,
+        )
         share = token_share(micro, num_tokens)
         metrics = {"pg_loss": pg_loss.detach()} | {k: v.detach() * share for k, v in pg.items()}
+        if "old_log_prob" not in b:
+            metrics["entropy"] = (out["entropy"].detach() * mask).sum() / num_tokens.clamp(min=1)
         loss = pg_loss
         if a.entropy_coeff:
             entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, **counts)
@@ -127,7 +139,20 @@ class ActorRolloutRefWorker(Worker):
         """Hand the actor's weights to the rollout engine in memory; returns the seconds it took."""
         start = time.perf_counter()
         self.rollout.update_weights(self.actor.full_parameters(prefix="lm.", dtype=self.dtype))
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if self.config.rollout.check_weight_sync:
+            self._check_weight_sync()
+        return seconds
+
+    def _check_weight_sync(self, name: str = "model.embed_tokens.weight") -> None:
+        """Compare one weight's norm in the rollout engine with the actor's (rollout.check_weight_sync)."""
+        full = self.actor.module.get_parameter(f"lm.{name}")
+        expected = (full.full_tensor() if hasattr(full, "full_tensor") else full).to(self.dtype).float().norm().item()
+        got = self.rollout.weight_norm(name)
+        if abs(got - expected) > 1e-3 * max(1.0, abs(expected)):
+            raise RuntimeError(
+                f"weight hand-off check failed: |{name}| is {got} in the rollout, {expected} in the actor"
+            )
 
     # ----------------------------------------------------------------- supervised fine-tuning
     @register(DP_COMPUTE_PROTO)

@@ -78,9 +78,15 @@ class CriticWorker(Worker):
         c, b = self.config.critic, micro.batch
         vpreds = out["values"]
         loss, info = value_loss(
-            vpreds, b["returns"], b["values"], b["response_mask"], c.cliprange_value, c.loss_agg_mode,
-            num_tokens=num_tokens, num_seqs=num_seqs,
-        )  # fmt: skip
+            vpreds,
+            b["returns"],
+            b["values"],
+            b["response_mask"],
+            c.cliprange_value,
+            c.loss_agg_mode,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
         share = token_share(micro, num_tokens)
         mask = b["response_mask"].bool()
         vpred_mean = vpreds.detach()[mask].sum() / num_tokens.clamp(min=1)

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ketch.cache import cache_dir
-from ketch.config.schema import BUILTIN_TASK
+from ketch.config.schema import BUILTIN_PREFERENCE_TASK, BUILTIN_TASK
 
 DATA_SOURCE = "ketch/arithmetic"
 SPLITS = ("train", "val")
@@ -113,7 +113,7 @@ def generate_arithmetic_task(task: ArithmeticTask) -> dict[str, list[dict[str, A
     }
 
 
-def _write_atomic(rows: list[dict[str, Any]], path: Path) -> None:
+def write_rows_atomic(rows: list[dict[str, Any]], path: Path) -> None:
     """Write `rows` as Parquet to a temporary file next to `path`, then rename it into place."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
@@ -131,7 +131,7 @@ def write_arithmetic_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str
     paths = {}
     for split, rows in generate_arithmetic_task(task).items():
         paths[split] = out / f"{split}.parquet"
-        _write_atomic(rows, paths[split])
+        write_rows_atomic(rows, paths[split])
     return paths
 
 
@@ -145,7 +145,8 @@ def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
 
 
 def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
-    """`files` with `builtin:arithmetic/train` and `builtin:arithmetic/val` replaced by cached Parquet paths.
+    """`files` with `builtin:arithmetic/{train,val}` and `builtin:arithmetic-preference/{train,val}` replaced by
+    cached Parquet paths.
 
     Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
     """
@@ -154,9 +155,14 @@ def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> 
         if not entry.startswith("builtin:"):
             resolved.append(entry)
             continue
-        split = entry.removeprefix(f"{BUILTIN_TASK}/")
-        if split not in SPLITS:
-            choices = ", ".join(f"{BUILTIN_TASK}/{s}" for s in SPLITS)
+        name, _, split = entry.rpartition("/")
+        if name not in (BUILTIN_TASK, BUILTIN_PREFERENCE_TASK) or split not in SPLITS:
+            choices = ", ".join(f"{n}/{s}" for n in (BUILTIN_TASK, BUILTIN_PREFERENCE_TASK) for s in SPLITS)
             raise ValueError(f"unknown built-in data set {entry!r} in the data files; the built-in ones are: {choices}")
-        resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
+        if name == BUILTIN_TASK:
+            resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
+        else:
+            from ketch.data.builtin.preference import PreferenceTask, builtin_preference_files  # built on this module
+
+            resolved.append(str(builtin_preference_files(PreferenceTask(task or ArithmeticTask()))[split]))
     return resolved

@@ -1,0 +1,214 @@
+"""Time one RL step of ketch on the fixed GPU workload of the GPU-performance issue, stage by stage.
+
+Workload (`--scale full`): a Qwen2.5-0.5B-shaped model with random weights in bf16, GRPO without KL or
+critic, 16 prompts x 8 samples per step, prompts of 128 tokens, responses of exactly 256 tokens
+(`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6. `--variant ppo` runs the same with a critic,
+GAE and a KL penalty to a reference policy. `--scale small` is a scaled-down copy that runs on a CPU.
+
+    PYTHONPATH=. python3 benchmarks/rl_step.py --variant grpo --warmup 2 --steps 5 --out results/x.json
+
+Prints per-stage seconds (median over the timed steps), tokens/s (prompt + response tokens per step time),
+decode tokens/s, training MFU and peak GPU memory, and writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ketch.config import load_config
+from ketch.trainer.ppo import PPOTrainer
+
+SCALES = {
+    "full": {
+        "vocab": 151936,
+        "hidden": 896,
+        "intermediate": 4864,
+        "layers": 24,
+        "heads": 14,
+        "kv_heads": 2,
+        "prompts": 16,
+        "n": 8,
+        "prompt_len": 128,
+        "response_len": 256,
+        "micro": 32,
+    },
+    "small": {
+        "vocab": 2048,
+        "hidden": 128,
+        "intermediate": 512,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "prompts": 4,
+        "n": 4,
+        "prompt_len": 16,
+        "response_len": 16,
+        "micro": 16,
+    },
+}
+PEAK_BF16_FLOPS = {"cuda": 989e12}
+"""Dense bf16 peak of an H200 (the figure TRL's 26.7% MFU on this workload refers to)."""
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "step")
+
+
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+
+
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: ids 0-2 are pad/eos/unk, id i >= 3 is the word `w{i}` (special tokens must not
+    be prefixes of words, or the tokenizer splits words at them)."""
+    words = {token: i for i, token in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), vocab)}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_workload(root: Path, s: dict, steps: int) -> tuple[Path, Path]:
+    tokenizer = word_tokenizer(s["vocab"])
+    config = Qwen2Config(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "model")
+    # A directory of its own: next to a Qwen2 config.json, AutoTokenizer would rebuild it as a Qwen2 (BPE) one.
+    tokenizer.save_pretrained(root / "tokenizer")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, s["vocab"], (s["prompts"] * steps, s["prompt_len"]), generator=g)
+    rows = [{"prompt": " ".join(f"w{i}" for i in row), "data_source": "bench", "answer": ""} for row in ids.tolist()]
+    pq.write_table(pa.Table.from_pylist(rows), root / "prompts.parquet")
+    return root / "model", root / "prompts.parquet"
+
+
+def overrides(s: dict, model: Path, data: Path, variant: str, device: str, steps: int, out: Path) -> list[str]:
+    common = [
+        f"model.path={model}",
+        f"model.tokenizer_path={model.with_name('tokenizer')}",
+        f"data.train_files=[{data}]",
+        "data.val_files=[]",
+        "data.shuffle=false",
+        f"data.max_prompt_length={s['prompt_len']}",
+        f"data.max_response_length={s['response_len']}",
+        f"data.train_batch_size={s['prompts']}",
+        f"rollout.n={s['n']}",
+        "rollout.ignore_eos=true",
+        "model.dtype=bfloat16" if device == "cuda" else "model.dtype=float32",
+        f"trainer.device={device}",
+        "actor.optim.lr=1e-6",
+        f"actor.ppo_mini_batch_size={s['prompts']}",
+        "actor.ppo_epochs=1",
+        f"actor.ppo_micro_batch_size_per_device={s['micro']}",
+        f"critic.ppo_micro_batch_size_per_device={s['micro']}",
+        f"rollout.log_prob_micro_batch_size_per_device={s['micro'] * 2}",
+        f"ref.log_prob_micro_batch_size_per_device={s['micro'] * 2}",
+        f"reward.function={Path(__file__).with_name('bench_reward.py')}:score",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.total_steps={steps}",
+        f"trainer.default_local_dir={out}",
+    ]
+    if variant == "ppo":
+        return [*common, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "critic.optim.lr=1e-5"]
+    return [*common, "algorithm.adv_estimator=grpo"]
+
+
+def run(args) -> dict:
+    s = SCALES[args.scale]
+    root = Path(tempfile.mkdtemp(prefix="ketch-rl-step-"))
+    total = args.warmup + args.steps
+    model, data = build_workload(root, s, total)
+    config = load_config(overrides=overrides(s, model, data, args.variant, args.device, total, root) + args.set)
+    trainer = PPOTrainer(config)
+    trainer._open()
+    records = []
+    for step in range(1, total + 1):
+        records.append(trainer._train_step(trainer.loader.next_batch(), step))
+        stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
+        print(f"step {step}: {stages}", flush=True)
+    trainer.groups.shutdown()
+    return summarize(records[args.warmup :], s, args)
+
+
+def summarize(records: list[dict], s: dict, args) -> dict:
+    median = {
+        k: statistics.median(r[f"timing_s/{k}"] for r in records) for k in STAGES if f"timing_s/{k}" in records[0]
+    }
+    median["weight_sync"] = statistics.median(r["timing_s/weight_sync"] for r in records)
+    median["overhead"] = median["step"] - sum(v for k, v in median.items() if k not in ("step", "weight_sync"))
+    tokens = s["prompts"] * s["n"] * (s["prompt_len"] + s["response_len"])
+    new_tokens = s["prompts"] * s["n"] * s["response_len"]
+    params = _parameters(s)
+    result = {
+        "variant": args.variant,
+        "scale": args.scale,
+        "device": _device_name(args.device),
+        "overrides": args.set,
+        "steps_timed": len(records),
+        "seconds": median,
+        "step_s": median["step"],
+        "tokens_per_s": tokens / median["step"],
+        "decode_tokens_per_s": new_tokens / median["gen"],
+        "parameters": params,
+    }
+    if args.device == "cuda":
+        result["update_mfu"] = 6 * params * tokens / median["update_actor"] / PEAK_BF16_FLOPS["cuda"]
+        result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
+def _parameters(s: dict) -> int:
+    attention = s["hidden"] * (s["hidden"] + 2 * s["hidden"] // s["heads"] * s["kv_heads"]) + s["hidden"] ** 2
+    mlp = 3 * s["hidden"] * s["intermediate"]
+    return s["layers"] * (attention + mlp) + s["vocab"] * s["hidden"]
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=["grpo", "ppo"], default="grpo")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="full")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="extra config overrides, e.g. rollout.hf_decoding=generate"
+    )
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    result = run(args)
+    result["wall_s"] = time.perf_counter() - start
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The built-in preference task: arithmetic problems with the correct answer preferred over a wrong one.
+
+`builtin:arithmetic-preference/train` and `builtin:arithmetic-preference/val` resolve to Parquet files
+generated once into the user cache from the same problems as `builtin:arithmetic/{train,val}`. Each problem
+gives `pairs_per_problem` rows: `prompt` (`47+58=`), `chosen` (`#### 105`), `rejected`, `kind`, `answer` and
+`data_source`. The rejected response is of one of three kinds:
+
+- `near_miss` (`#### 104`): an answer a few units off, the kind of mistake the warmed-up built-in model makes;
+  telling it apart takes arithmetic;
+- `far_miss` (`#### 163`): an answer far off, which a rough sense of magnitude tells apart;
+- `format` (`105`, `####`, `#### 105 ####`): no well-formed answer, which the rule-based scorer scores 0 too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ketch.cache import cache_dir
+from ketch.data.builtin.arithmetic import SPLITS, ArithmeticTask, generate_arithmetic_task, write_rows_atomic
+
+_FORMAT_VERSION = 1  # bump when the rows written for the same settings change, to regenerate cached files
+
+
+@dataclass(frozen=True)
+class PreferenceTask:
+    """Settings of the generated pairs; the problems are those of `task`."""
+
+    task: ArithmeticTask = field(default_factory=ArithmeticTask)
+    pairs_per_problem: int = 2
+    near_miss: float = 1.0
+    """Fraction of near misses: the right answer plus an offset in [-max_offset, max_offset] \\ {0}."""
+    far_miss: float = 0.0
+    """Fraction of far misses: the right answer plus an offset of max_offset + 1 to 10 * max_offset either way;
+    the rest of the rejected responses are badly formatted."""
+    max_offset: int = 12
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        shares_ok = min(self.near_miss, self.far_miss) >= 0 and self.near_miss + self.far_miss <= 1
+        if self.pairs_per_problem < 1 or self.max_offset < 1 or not shares_ok:
+            raise ValueError(
+                f"PreferenceTask needs pairs_per_problem >= 1, max_offset >= 1 and near_miss, far_miss >= 0 with "
+                f"near_miss + far_miss <= 1; got {self.pairs_per_problem}, {self.max_offset}, {self.near_miss}, "
+                f"{self.far_miss}"
+            )
+
+    def settings_hash(self) -> str:
+        """A short hash of the settings (and of the row format), naming the cache directory."""
+        text = json.dumps({**asdict(self), "format": _FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def near_miss(rng: random.Random, answer: int, max_offset: int) -> int:
+    """`answer` plus a non-zero offset of at most `max_offset` either way; offset d has weight 1/|d|, so
+    answers one off are the most frequent, as in the built-in model's own mistakes."""
+    offsets = [d for d in range(-max_offset, max_offset + 1) if d]
+    return answer + rng.choices(offsets, weights=[1 / abs(d) for d in offsets])[0]
+
+
+def rejected_response(rng: random.Random, answer: int, task: PreferenceTask) -> tuple[str, str]:
+    """(rejected response, its kind) for a problem whose answer is `answer` (see the module docstring)."""
+    draw = rng.random()
+    if draw < task.near_miss:
+        return f"#### {near_miss(rng, answer, task.max_offset)}", "near_miss"
+    if draw < task.near_miss + task.far_miss:
+        offset = rng.randint(task.max_offset + 1, 10 * task.max_offset)
+        return f"#### {answer + rng.choice((-1, 1)) * offset}", "far_miss"
+    return rng.choice((f"{answer}", "####", f"#### {answer} ####")), "format"
+
+
+def generate_preference_task(task: PreferenceTask) -> dict[str, list[dict[str, Any]]]:
+    """Rows of each split, keyed `train` and `val` (see the module docstring)."""
+    rng = random.Random(task.seed)
+    splits = {}
+    for split, problems in generate_arithmetic_task(task.task).items():
+        rows = []
+        for problem in problems:
+            answer = int(problem["answer"])
+            for _ in range(task.pairs_per_problem):
+                rejected, kind = rejected_response(rng, answer, task)
+                rows.append(
+                    {
+                        "prompt": problem["prompt"],
+                        "chosen": f"#### {answer}",
+                        "rejected": rejected,
+                        "kind": kind,
+                        "answer": problem["answer"],
+                        "data_source": problem["data_source"],
+                    }
+                )
+        splits[split] = rows
+    return splits
+
+
+def builtin_preference_files(task: PreferenceTask) -> dict[str, Path]:
+    """The cached Parquet files of `task` by split, generated on first use."""
+    out = cache_dir() / "data" / f"arithmetic-preference-{task.settings_hash()}"
+    paths = {split: out / f"{split}.parquet" for split in SPLITS}
+    if not all(path.exists() for path in paths.values()):
+        out.mkdir(parents=True, exist_ok=True)
+        for split, rows in generate_preference_task(task).items():
+            write_rows_atomic(rows, paths[split])
+    return paths

@@ -1,0 +1,114 @@
+"""Decoding with a preallocated KV cache, for the `hf` backend's `static` path.
+
+`model.generate` spends most of a decode step in Python: logits processors, stopping criteria that read
+the GPU every token, and hundreds of kernel launches per layer stack. Here the cache is allocated once per
+(batch, length), the one-token step has fixed shapes and, on GPUs, is compiled into a CUDA graph (one
+replay per token), sampling stays on the device, and the host looks at the tokens only every
+`CHECK_EVERY` steps to stop early when every row has finished.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import StaticCache
+
+CHECK_EVERY = 16
+"""Decode steps between the host's checks whether every row has met a stop token."""
+
+
+class StaticDecoder:
+    """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
+
+    def __init__(self, model: nn.Module, compile_step: bool):
+        self.model = model
+        self.caches: dict[tuple[int, int], StaticCache] = {}
+        step = self._step
+        self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False) if compile_step else step
+
+    def _step(self, tokens, attention_mask, position_ids, cache_position, cache):
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            cache_position=cache_position,
+            use_cache=True,
+        )
+        return out.logits[:, -1].float()
+
+    def _cache(self, batch: int, length: int) -> StaticCache:
+        key = (batch, length)
+        if key not in self.caches:
+            self.caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
+        cache = self.caches[key]
+        cache.reset()
+        return cache
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_token_ids: list[int] | None,
+        pad_token_id: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]`.
+        After a row's first stop token its tokens are `pad_token_id` (log-prob 0); `stop_token_ids=None`
+        decodes every row to the full length."""
+        batch, prompt_len = input_ids.shape
+        device = input_ids.device
+        cache = self._cache(batch, prompt_len + max_new_tokens)
+        mask = torch.zeros(batch, prompt_len + max_new_tokens, dtype=attention_mask.dtype, device=device)
+        mask[:, :prompt_len] = attention_mask
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = self._step(input_ids, mask, positions, torch.arange(prompt_len, device=device), cache)
+        position = positions[:, -1:] + 1
+        tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        log_probs = torch.zeros(batch, max_new_tokens, device=device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        stops = torch.tensor(stop_token_ids or [], dtype=torch.long, device=device)
+        cache_positions = torch.arange(prompt_len, prompt_len + max_new_tokens, device=device)
+        for t in range(max_new_tokens):
+            token, log_prob = sampling.sample(logits)
+            tokens[:, t] = token.masked_fill(done, pad_token_id)
+            log_probs[:, t] = log_prob.masked_fill(done, 0.0)
+            done |= torch.isin(token, stops)
+            if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())):
+                break
+            mask[:, prompt_len + t] = 1
+            logits = self.step(token[:, None], mask, position, cache_positions[t : t + 1], cache)
+            position = position + 1
+        return tokens, log_probs
+
+
+class Sampling:
+    """Picks the next token from float32 logits `[batch, vocab]` and returns its log-prob under the
+    temperature-scaled distribution (what the training engine computes), before top-k/top-p filtering."""
+
+    def __init__(self, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
+        self.do_sample, self.temperature, self.top_p, self.top_k = do_sample, temperature, top_p, top_k
+
+    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.do_sample:
+            log_probs = logits.log_softmax(-1)
+            token = logits.argmax(-1)
+            return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+        scaled = logits / self.temperature
+        log_probs = scaled.log_softmax(-1)
+        token = torch.multinomial(self._filter(scaled).softmax(-1), 1).squeeze(-1)
+        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+
+    def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
+        """Logits outside the top-k and the top-p nucleus set to -inf."""
+        if self.top_k > 0:
+            kth = scaled.topk(min(self.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, order = scaled.sort(dim=-1, descending=True)
+            probs = ordered.softmax(-1)
+            outside = probs.cumsum(-1) - probs > self.top_p  # the nucleus keeps the token that crosses top_p
+            scaled = scaled.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+        return scaled

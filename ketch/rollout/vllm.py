@@ -1,0 +1,115 @@
+"""The `vllm` rollout backend: vLLM's offline engine inside the actor's process (the hybrid engine).
+
+The engine starts from the actor's model directory; after each actor update the new weights are streamed
+into it in memory (one tensor at a time, gathered from the FSDP shards) and its prefix cache is reset. On
+GPUs `sleep()` frees its KV cache and weights while the actor trains; the CPU build cannot, which is said
+once. Internal vLLM APIs are used only through `ketch.rollout.vllm_adapter`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ketch.config.schema import KetchConfig
+from ketch.protocol import DataProto
+from ketch.rollout import vllm_adapter as adapter
+from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops, stop_token_ids
+
+logger = logging.getLogger("ketch.rollout")
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@register_rollout("vllm")
+class VLLMRollout(Rollout):
+    def __init__(
+        self, config: KetchConfig, model_path: str, tokenizer, dtype: torch.dtype, device: torch.device, seed: int
+    ):
+        adapter.check_version()
+        r, d = config.rollout, config.data
+        if r.tensor_parallel_size != 1:
+            raise ValueError(
+                f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the in-memory weight hand-off needs the "
+                "vLLM engine in the actor's process, which ketch supports for tensor_parallel_size=1 only"
+            )
+        self.config, self.max_response_length = r, d.max_response_length
+        self.pad_token_id = tokenizer.pad_token_id
+        self.stop_token_ids = stop_token_ids(tokenizer.eos_token_id, r.stop_token_ids)
+        self.sleeps = adapter.can_sleep(device)
+        self.asleep = False
+        settings = {
+            "dtype": DTYPE_NAMES[dtype],
+            "seed": seed,
+            "max_model_len": r.max_model_len or d.max_prompt_length + d.max_response_length,
+            "gpu_memory_utilization": r.gpu_memory_utilization,
+            "max_num_seqs": r.max_num_seqs,
+            "max_num_batched_tokens": r.max_num_batched_tokens,
+            "enforce_eager": r.enforce_eager,
+            "enable_prefix_caching": r.enable_prefix_caching,
+            "trust_remote_code": config.model.trust_remote_code,
+            "enable_sleep_mode": self.sleeps,
+        }
+        tokenizer_path = config.model.tokenizer_path or model_path
+        self.engine = adapter.create_engine(model_path, tokenizer_path, settings)
+        if not self.sleeps:
+            logger.info("vLLM on %s cannot free its memory between generations; sleep/wake_up do nothing", device)
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto) -> DataProto:
+        do_sample = prompts.meta_info.get("do_sample", self.config.do_sample)
+        temperature = prompts.meta_info.get("temperature", self.config.temperature) if do_sample else 1.0
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+        requests = adapter.token_prompts([row[keep].tolist() for row, keep in zip(ids, mask, strict=True)])
+        outputs = self.engine.generate(requests, self._sampling(do_sample, temperature), use_tqdm=False)
+        samples = [out.outputs[0] for out in outputs]
+        responses = self._pad([s.token_ids for s in samples], self.pad_token_id, torch.long)
+        log_probs = self._pad([[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)] for s in samples])
+        if self.config.ignore_eos:
+            response_mask = torch.ones_like(responses)
+        else:
+            response_mask = response_mask_from_stops(responses, self.stop_token_ids)
+        result = assemble_sequences(
+            prompts, responses.masked_fill(response_mask == 0, self.pad_token_id), response_mask
+        )
+        result.batch["rollout_log_probs"] = log_probs * response_mask
+        return result
+
+    def _sampling(self, do_sample: bool, temperature: float):
+        r = self.config
+        return adapter.sampling_params(
+            n=1,
+            temperature=temperature if do_sample else 0.0,
+            top_p=r.top_p if do_sample else 1.0,
+            top_k=r.top_k if do_sample else 0,
+            max_tokens=self.max_response_length,
+            stop_token_ids=[] if r.ignore_eos else self.stop_token_ids,
+            ignore_eos=r.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+        )
+
+    def _pad(self, rows: list, value: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Right-pad ragged rows to `[batch, max_response_length]`."""
+        tensors = [torch.tensor(list(row), dtype=dtype) for row in rows]
+        return torch.stack([nn.functional.pad(t, (0, self.max_response_length - len(t)), value=value) for t in tensors])
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.wake_up()
+        adapter.reload_weights(self.engine, named_tensors)
+
+    def weight_norm(self, name: str) -> float:
+        return adapter.parameter_norm(self.engine, name)
+
+    def sleep(self) -> None:
+        if self.sleeps and not self.asleep:
+            self.engine.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.engine.wake_up()
+            self.asleep = False

