@@ -18,34 +18,19 @@ import tempfile
 import time
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from ketch.config import load_config
 from ketch.data import build_char_tokenizer
 from ketch.engine.distributed import resolve_device
-from ketch.models import load_tokenizer, resolve_dtype
+from ketch.models import load_tokenizer, resolve_dtype, save_tiny_model
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout
 
 
 def random_model(directory: str, hidden: int, layers: int) -> str:
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=hidden // 64 or 1,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    sizes = {"hidden_size": hidden, "intermediate_size": 4 * hidden, "num_layers": layers, "max_positions": 512}
+    sizes |= {"num_heads": hidden // 32, "num_kv_heads": max(1, hidden // 64)}
+    return str(save_tiny_model(directory, build_char_tokenizer(), **sizes))
 
 
 def prompt_batch(tokenizer, prompts: int, prompt_len: int) -> DataProto:
@@ -56,10 +41,13 @@ def prompt_batch(tokenizer, prompts: int, prompt_len: int) -> DataProto:
 
 
 def measure(backend: str, model: str, args) -> dict:
+    """`backend` is a rollout name, optionally with the hf decoding path: `hf:static`, `hf:generate`."""
+    name, _, decoding = backend.partition(":")
     config = load_config(
         overrides=[
             f"model.path={model}",
-            f"rollout.name={backend}",
+            f"rollout.name={name}",
+            f"rollout.hf_decoding={decoding or 'auto'}",
             "rollout.ignore_eos=true",
             f"data.max_response_length={args.new_tokens}",
             f"data.max_prompt_length={args.prompt_len}",
@@ -92,7 +80,7 @@ def measure(backend: str, model: str, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--backends", nargs="+", default=["hf", "vllm"])
+    parser.add_argument("--backends", nargs="+", default=["hf:generate", "hf:static", "vllm"])
     parser.add_argument("--model")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

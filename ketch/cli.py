@@ -59,9 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is when a record comes (test runners and notebooks swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     args, overrides = build_parser().parse_known_args(argv)
-    logging.basicConfig(format="[%(levelname)s] %(message)s", level=logging.WARNING, force=True)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
     logging.getLogger("ketch").setLevel(logging.INFO)
     try:
         if args.command == "serve":
@@ -85,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print((path.parent / "summary.txt").read_text(), end="")
             print(f"report: {path}")
             return 0
-        config = load_config(args.config_path, overrides)
+        config = load_config(args.config_path, overrides, args.command)
         if args.command == "config":
             print(to_yaml(config), end="")
         elif args.command == "train":

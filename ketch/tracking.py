@@ -55,6 +55,7 @@ class Tracker:
     """Appends every metric to `run_dir/metrics.jsonl`, prints the console line every `log_interval`, and sends
     the numeric metrics to the backends named in `loggers` (`tensorboard`, `wandb`, `mlflow`).
 
+    `step_lines=False` leaves the console lines to the caller (`ketch sft` and `ketch rm` print their own).
     `project`, `experiment` and `config` name the run and its settings for wandb and mlflow. A chosen backend
     whose library is missing raises `TrackerError` here, at start-up."""
 
@@ -68,14 +69,31 @@ class Tracker:
         project: str = "ketch",
         experiment: str | None = None,
         config: dict[str, Any] | None = None,
+        step_lines: bool = True,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backends = _open_backends(loggers, self.run_dir, project, experiment or self.run_dir.name, config or {})
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115  (kept open for the run)
         self.console = "console" in loggers
+        self.step_lines = step_lines
         self.log_interval = log_interval
         self.bar = _progress_bar(total_steps) if self.console else None
+
+    @classmethod
+    def for_run(cls, run_dir: Path, config: dict[str, Any], total_steps: int, step_lines: bool = True) -> Tracker:
+        """The tracker a run of the resolved `config` (as a dict) asks for in its `trainer` section."""
+        t = config["trainer"]
+        return cls(
+            run_dir,
+            t["logger"],
+            total_steps,
+            t["log_interval"],
+            project=t["project_name"],
+            experiment=t["experiment_name"],
+            config=config,
+            step_lines=step_lines,
+        )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         values = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}
@@ -85,7 +103,8 @@ class Tracker:
             backend.log(numbers, step)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-        if self.console and step % self.log_interval == 0 and any(k.startswith("timing_s/") for k in metrics):
+        timed = any(k.startswith("timing_s/") for k in metrics)
+        if self.console and self.step_lines and step % self.log_interval == 0 and timed:
             info(format_step_line(step, metrics), self.bar)
 
     def log_samples(self, rows: list[dict[str, Any]], step: int) -> None:

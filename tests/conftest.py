@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from ketch.config import load_config
 from ketch.data import build_char_tokenizer, get_chat_template
 from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
 from ketch.data.builtin.tokenizer import CHARACTERS, SPECIAL_TOKENS
-from ketch.models import quiet_transformers
+from ketch.models import quiet_transformers, save_tiny_model
 
 quiet_transformers()
 
@@ -27,30 +26,11 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory):
         yield path
 
 
-def save_tiny_model(path: Path, seed: int = 0, tokenizer=None) -> Path:
-    """A 2-layer, 32-wide random Qwen2 and the character tokenizer, saved as a HF directory."""
-    tokenizer = tokenizer or build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    """A 2-layer, 32-wide random Qwen2 with the character tokenizer."""
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "max_positions": 128}
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), build_char_tokenizer(), **sizes)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,17 @@ def test_yaml_then_overrides_take_precedence(tmp_path):
     assert (config.rollout.n, config.rollout.temperature, config.trainer.seed) == (8, 0.7, 5)
 
 
+def test_ketch_rm_defaults_to_the_builtin_preference_pairs_below_yaml_and_overrides(tmp_path):
+    config = load_config(command="rm")
+    assert config.data.train_files == ["builtin:arithmetic-preference/train"]
+    assert (config.trainer.experiment_name, config.trainer.total_steps) == ("arithmetic-rm", 1000)
+    assert load_config(command="train").data.train_files == ["builtin:arithmetic/train"]
+    path = tmp_path / "rm.yaml"
+    path.write_text("data:\n  train_files: [pairs.parquet]\n")
+    config = load_config(path, ["trainer.total_steps=7"], command="rm")
+    assert (config.data.train_files, config.trainer.total_steps) == (["pairs.parquet"], 7)
+
+
 def test_single_string_becomes_a_list_and_float_strings_parse():
     config = load_config(overrides=["data.train_files=a.parquet", "actor.optim.lr=1e-6"])
     assert config.data.train_files == ["a.parquet"]

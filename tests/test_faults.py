@@ -99,5 +99,5 @@ def test_a_killed_worker_is_recovered_and_every_step_is_logged_once(tiny_config,
 def test_a_killed_worker_without_retries_names_the_dead_worker(tiny_config, ray_session):
     trainer = PPOTrainer(tiny_config("trainer.n_cpu_workers=2", "trainer.total_steps=4"))
     kill_rank_when(trainer, rank=1, step=1)
-    with pytest.raises(RunFailedError, match=r"actor_rollout rank 1: WorkerDiedError: .*worker process died"):
+    with pytest.raises(RunFailedError, match=r"(actor_rollout|critic) rank 1: WorkerDiedError: .*worker process died"):
         trainer.fit()

@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from ketch.models import ModelLoadError, load_causal_lm, load_critic, load_tokenizer
 
@@ -59,8 +58,16 @@ def test_critic_has_a_scalar_head_on_the_actor_backbone(tiny_model_dir):
     assert critic(torch.tensor([[5, 6, 7]])).logits.shape == (1, 3, 1)
 
 
+def test_a_saved_tokenizer_keeps_its_token_ids_next_to_a_qwen2_config(tiny_model_dir, tmp_path):
+    loaded = load_tokenizer(str(tiny_model_dir))
+    assert loaded("#### 105")["input_ids"] == [8, 8, 8, 8, 5, 22, 21, 26]
+    loaded.save_pretrained(tmp_path / "again")
+    (tmp_path / "again" / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    assert load_tokenizer(str(tmp_path / "again")).decode([8, 8, 8, 8, 5, 22, 21, 26]) == "#### 105"
+
+
 def test_tokenizer_without_pad_token_uses_eos(tiny_model_dir, tmp_path, caplog):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
     tokenizer.pad_token = None
     tokenizer.save_pretrained(tmp_path / "tok")
     with caplog.at_level(logging.WARNING, logger="ketch.models"):

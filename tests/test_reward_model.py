@@ -42,9 +42,10 @@ def reward_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
 def preference_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     task = PreferenceTask(task=ArithmeticTask(num_train=64, num_val=16, seed=3), pairs_per_problem=1)
     out = tmp_path_factory.mktemp("preference")
+    splits = generate_preference_task(task)
     paths = {split: out / f"{split}.parquet" for split in ("train", "val")}
-    for split, rows in generate_preference_task(task).items():
-        write_rows_atomic(rows, paths[split])
+    for split, path in paths.items():
+        write_rows_atomic(splits[split], path)
     return paths
 
 

@@ -11,12 +11,13 @@ import urllib.request
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from ketch.config import derive_batch_plan, load_config
 from ketch.controller import LocalWorkerGroup
 from ketch.data import RLHFDataset, build_char_tokenizer
 from ketch.engine.distributed import free_port
+from ketch.models import save_tiny_model
 from ketch.protocol import DataProto
 from ketch.rollout.vllm_adapter import installed_version, supported_range
 from ketch.tracking import read_metrics
@@ -42,24 +43,8 @@ def small_kv_cache():
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
     """A 2-layer Qwen2 with 32-wide heads (vLLM's CPU attention kernels need head_dim >= 32)."""
-    path = tmp_path_factory.mktemp("vllm-model")
-    tokenizer = build_char_tokenizer()
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
+    return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), build_char_tokenizer(), **sizes)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Build a `KetchConfig` from defaults, a YAML file and command-line overrides, with clear errors.
 
-Order of precedence: built-in defaults < YAML file (`--config-path FILE`) < overrides. Overrides may be
+Order of precedence: built-in defaults < the command's own defaults (`COMMAND_DEFAULTS`, e.g. `ketch rm`
+trains on the built-in preference pairs) < YAML file (`--config-path FILE`) < overrides. Overrides may be
 spelled `key.path=value`, `--key.path=value` or `--key.path value`; values are parsed as YAML
 (`a.b=[1,2]`, `x=null`, `flag=true`).
 """
@@ -16,16 +17,20 @@ from typing import Any, Literal
 
 import yaml
 
-from ketch.config.schema import KetchConfig
+from ketch.config.schema import COMMAND_DEFAULTS, KetchConfig
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run: the message names the key, the value and the fix."""
 
 
-def load_config(config_path: str | Path | None = None, overrides: list[str] | None = None) -> KetchConfig:
-    """Merge defaults, the YAML file and the overrides into a validated, frozen `KetchConfig`."""
+def load_config(
+    config_path: str | Path | None = None, overrides: list[str] | None = None, command: str = "train"
+) -> KetchConfig:
+    """Merge the defaults of `command`, the YAML file and the overrides into a validated, frozen `KetchConfig`."""
     tree = _as_tree(KetchConfig())
+    for key, value in parse_overrides(list(COMMAND_DEFAULTS.get(command, ()))):
+        _merge(tree, _nest(key, value), source=f"defaults of ketch {command}")
     if config_path is not None:
         _merge(tree, _read_yaml(Path(config_path)), source=str(config_path))
     for key, value in parse_overrides(overrides or []):

@@ -13,6 +13,21 @@ BUILTIN_TASK = "builtin:arithmetic"
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
 BUILTIN_PREFERENCE_TASK = "builtin:arithmetic-preference"
 
+COMMAND_DEFAULTS: dict[str, tuple[str, ...]] = {
+    "sft": ("trainer.experiment_name=arithmetic-sft",),
+    "rm": (
+        f"data.train_files=[{BUILTIN_PREFERENCE_TASK}/train]",
+        f"data.val_files=[{BUILTIN_PREFERENCE_TASK}/val]",
+        "trainer.experiment_name=arithmetic-rm",
+        "trainer.total_steps=1000",
+        "trainer.test_freq=250",
+        "reward.model.optim.lr=5e-4",
+    ),
+}
+"""Where `ketch sft` and `ketch rm` differ from the defaults below (those of `ketch train`): with no
+arguments, `ketch rm` trains a reward model on the built-in preference pairs. A YAML file and overrides
+still win."""
+
 
 @dataclass(frozen=True)
 class DataConfig:

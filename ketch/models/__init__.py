@@ -11,7 +11,7 @@ from ketch.models.loader import (
     quiet_transformers,
     resolve_dtype,
 )
-from ketch.models.tiny import build_tiny_model, tiny_qwen2_config
+from ketch.models.tiny import build_tiny_model, save_tiny_model, tiny_qwen2_config
 
 __all__ = [
     "ModelLoadError",
@@ -23,5 +23,6 @@ __all__ = [
     "load_tokenizer",
     "quiet_transformers",
     "resolve_dtype",
+    "save_tiny_model",
     "tiny_qwen2_config",
 ]

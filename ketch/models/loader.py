@@ -6,6 +6,7 @@ are only fetched when the user asked for one (tests and the built-in run never t
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,13 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    PreTrainedTokenizerFast,
 )
 
 logger = logging.getLogger("ketch.models")
+
+_PIPELINE = ("normalizer", "pre_tokenizer", "model", "decoder")
+"""The parts of a saved `tokenizer.json` that decide token ids and decoded text."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,13 +98,9 @@ def load_critic(
 
     A causal-LM checkpoint gives the backbone's weights and a freshly initialised head; a critic
     checkpoint saved by ketch gives both."""
-    quiet_transformers()
-    override = {"classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
-    config = load_model_config(path, trust_remote_code, override)
-    config.num_labels = 1
     what = "a critic (needs a *ForTokenClassification class for this architecture)"
-    kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
-    return _from_pretrained(AutoModelForTokenClassification, path, config, kwargs, what)
+    args = (path, dtype, attn_implementation, trust_remote_code, override_config)
+    return _load_with_scalar_head(AutoModelForTokenClassification, *args, what=what)
 
 
 def load_reward_model(
@@ -114,15 +115,23 @@ def load_reward_model(
     A causal-LM checkpoint gives the backbone's weights and a freshly initialised head; a reward model
     saved by ketch (or any one-label sequence classifier) gives both. `config.architectures` names the
     loaded class, so that exports are written as a reward model."""
+    what = "a reward model (needs a *ForSequenceClassification class for this architecture)"
+    args = (path, dtype, attn_implementation, trust_remote_code, override_config)
+    model = _load_with_scalar_head(AutoModelForSequenceClassification, *args, what=what)
+    model.config.architectures = [type(model).__name__]
+    return model
+
+
+def _load_with_scalar_head(
+    auto_cls, path: str, dtype, attn_implementation: str, trust_remote_code: bool, override_config, what: str
+) -> torch.nn.Module:
+    """`auto_cls` with one label and no dropout in the head, loaded from `path`."""
     quiet_transformers()
     override = {"classifier_dropout": 0.0, "hidden_dropout": 0.0, **(override_config or {})}
     config = load_model_config(path, trust_remote_code, override)
     config.num_labels = 1
-    what = "a reward model (needs a *ForSequenceClassification class for this architecture)"
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
-    model = _from_pretrained(AutoModelForSequenceClassification, path, config, kwargs, what)
-    model.config.architectures = [type(model).__name__]
-    return model
+    return _from_pretrained(auto_cls, path, config, kwargs, what)
 
 
 def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: str):
@@ -141,6 +150,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     except (OSError, ValueError) as err:
         where = "model.tokenizer_path or model.path"
         raise ModelLoadError(f"cannot load a tokenizer from {path!r} ({where}): {err}") from err
+    tokenizer = _as_saved(tokenizer, path)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ModelLoadError(f"the tokenizer at {path!r} has neither a pad nor an EOS token; add one to it")
@@ -148,6 +158,24 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def _as_saved(tokenizer, path: str):
+    """`tokenizer`, or the one in `path/tokenizer.json` loaded as it is when they differ.
+
+    transformers 5 picks the tokenizer class from the model type and may rebuild the text pipeline from the
+    vocabulary (e.g. a `Qwen2Tokenizer` for a Qwen2 model whose saved tokenizer splits characters), which
+    silently changes the token ids. The saved file is what the model was trained with, so it wins."""
+    file = Path(path).expanduser() / "tokenizer.json"
+    if not file.is_file() or not hasattr(tokenizer, "backend_tokenizer"):
+        return tokenizer
+    saved, loaded = json.loads(file.read_text()), json.loads(tokenizer.backend_tokenizer.to_str())
+    if all(saved.get(k) == loaded.get(k) for k in _PIPELINE):
+        return tokenizer
+    logger.debug(
+        "%s rebuilds the tokenizer at %s differently; using its tokenizer.json as saved", type(tokenizer).__name__, path
+    )
+    return PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def _check_path(path: str, what: str) -> None:

@@ -19,9 +19,12 @@ from ketch.config import KetchConfig, load_config
 from ketch.config.schema import BUILTIN_MODEL, BUILTIN_TASK
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
-from ketch.models import build_tiny_model, tiny_qwen2_config
+from ketch.models import save_tiny_model, tiny_qwen2_config
 
 logger = logging.getLogger("ketch")
+
+_FORMAT_VERSION = 2
+"""Bump when the cached model changes for the same settings (2: its tokenizer keeps spaces), to rebuild it."""
 
 WARMUP_OVERRIDES = (
     f"data.train_files=[{BUILTIN_TASK}/train]",
@@ -53,11 +56,12 @@ def resolve_model_path(config: KetchConfig) -> str:
 
 def _settings_hash() -> str:
     tokenizer = build_char_tokenizer()
-    model = tiny_qwen2_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
+    model = tiny_qwen2_config(tokenizer)
     settings = {
         "task": ArithmeticTask().settings_hash(),
         "model": model.to_dict(),
         "warmup": [WARMUP_OVERRIDES, WARMUP_TARGET],
+        "format": _FORMAT_VERSION,
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -69,9 +73,7 @@ def _warm_up(target: Path, device: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".warmup-") as tmp:
         init = Path(tmp) / "init"
-        tokenizer = build_char_tokenizer()
-        build_tiny_model(tokenizer, seed=0).save_pretrained(init)
-        tokenizer.save_pretrained(init)
+        save_tiny_model(init, build_char_tokenizer(), seed=0)
         overrides = [*WARMUP_OVERRIDES, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
         overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
         accuracy = f"val/{DATA_SOURCE}/acc"

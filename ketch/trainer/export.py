@@ -7,9 +7,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig
 
 from ketch.engine.export import load_checkpoint_state, write_hf_directory
+from ketch.models import load_tokenizer
 from ketch.trainer.checkpoint import read_trainer_state
 
 logger = logging.getLogger("ketch")
@@ -31,9 +32,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "
     if role == "critic":
         return write_hf_directory(state, hf_config, out_dir)
     if role == "reward_model":
-        return write_hf_directory(state, hf_config, out_dir, AutoTokenizer.from_pretrained(part / "hf"))
+        return write_hf_directory(state, hf_config, out_dir, load_tokenizer(str(part / "hf")))
     engine_config = json.loads((checkpoint / "vllm_engine_config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(part / "hf")
+    tokenizer = load_tokenizer(str(part / "hf"))
     out = write_hf_directory(state, hf_config, out_dir, tokenizer, engine_config["stop_token_ids"], engine_config)
     shutil.copy(checkpoint / "config.json", out / "ketch_config.json")
     logger.info("exported %s of %s to %s", role, checkpoint, out)

@@ -91,15 +91,7 @@ class TrainingLoop:
         self.checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
         )
-        self.tracker = Tracker(
-            self.run_dir,
-            c.trainer.logger,
-            self.total_steps,
-            c.trainer.log_interval,
-            project=c.trainer.project_name,
-            experiment=c.trainer.experiment_name,
-            config=to_dict(c),
-        )
+        self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
         self.failures = []
         self.groups = self._build_groups()
         self._resume(self._resume_path())
@@ -260,7 +252,7 @@ class TrainingLoop:
             lines.append(f"reward (mean score) at the last step: {metrics['critic/score/mean']:.3f}")
         latest = self.checkpoints.latest()
         lines.append(f"metrics: {self.run_dir / 'metrics.jsonl'}; checkpoint: {latest}")
-        lines.append(f"model: {self.run_dir / 'model'} (serve it with: vllm serve {self.run_dir / 'model'})")
+        lines.append(f"model: {self.run_dir / 'model'} (serve it with: ketch serve {self.run_dir / 'model'})")
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- for subclasses

@@ -50,7 +50,7 @@ class RMTrainer:
         c = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
-        tracker = Tracker(self.run_dir, c.trainer.logger, self.total_steps, c.trainer.log_interval)
+        tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
         checkpoints = CheckpointManager(
             self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
         )

@@ -14,6 +14,7 @@ from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
+from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.groups import build_worker_groups
 from ketch.trainer.validation import generate_and_score
 
@@ -28,7 +29,8 @@ class SFTTrainer:
     def __init__(self, config: KetchConfig):
         self.config = c = config
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
-        tokenizer = load_tokenizer(c.model.tokenizer_path or c.model.path, c.model.trust_remote_code)
+        self.model_path = resolve_model_path(c)
+        tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.train_set = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = SFTDataset(val_files, tokenizer, c.data) if val_files else None
@@ -43,17 +45,9 @@ class SFTTrainer:
         """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`,
         given the metrics of a validated step, ends training early when it returns True."""
         c = self.config
-        tracker = Tracker(
-            self.run_dir,
-            c.trainer.logger,
-            self.total_steps,
-            c.trainer.log_interval,
-            project=c.trainer.project_name,
-            experiment=c.trainer.experiment_name,
-            config=to_dict(c),
-        )
+        tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
         plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
-        groups = build_worker_groups(c, c.model.path, plan, self.total_steps)
+        groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
         group = groups.actor_rollout
         metrics: dict[str, float] = {}
         for step in range(1, self.total_steps + 1):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 
@@ -11,6 +12,7 @@ from ketch.data import DatasetError, PreferenceDataset, resolve_data_files
 from ketch.data.builtin.arithmetic import ArithmeticTask, generate_arithmetic_task
 from ketch.data.builtin.preference import PreferenceTask, generate_preference_task
 from ketch.protocol import DataProto
+from ketch.rewards.arithmetic import extract_answer, score_arithmetic
 
 # character ids of the built-in tokenizer: printable ASCII c -> ord(c) - 27; <eos> is 1, <pad> 0
 CHOSEN = [22, 16, 23, 34, 8, 8, 8, 8, 5, 24, 1]  # "1+2=" + "#### 3" + <eos>
@@ -98,16 +100,30 @@ def test_a_chat_list_must_end_with_the_assistant_reply(write_rows, tokenizer):
         PreferenceDataset(path, tokenizer, DataConfig())
 
 
-def test_builtin_pairs_prefer_the_right_answer_over_a_near_miss():
+def test_builtin_pairs_prefer_the_right_answer_over_each_kind_of_rejected_reply():
     task = PreferenceTask(task=ArithmeticTask(num_train=40, num_val=8, seed=3), pairs_per_problem=2, max_offset=12)
     splits = generate_preference_task(task)
-    assert (len(splits["train"]), len(splits["val"])) == (80, 16)
+    assert (len(splits["sft"]), len(splits["train"]), len(splits["val"])) == (40, 80, 16)
+    kinds = Counter(row["kind"] for row in splits["train"] + splits["val"])
+    assert kinds == {"format": 61, "near_miss": 17, "far_miss": 18}  # 96 pairs drawn at shares 0.6, 0.2, 0.2
     for row in splits["train"] + splits["val"]:
         assert row["chosen"] == f"#### {row['answer']}"
-        wrong = int(row["rejected"].removeprefix("#### "))
-        assert 0 < abs(wrong - int(row["answer"])) <= 12
+        wrong = extract_answer(row["rejected"])
+        if row["kind"] == "format":
+            assert score_arithmetic("", row["rejected"], row["answer"]) == 0.0
+        else:
+            offset = abs(wrong - int(row["answer"]))
+            assert 0 < offset <= 12 if row["kind"] == "near_miss" else 12 < offset <= 120
     problems = generate_arithmetic_task(task.task)["val"]
     assert [row["prompt"] for row in splits["val"]] == [p["prompt"] for p in problems for _ in range(2)]
+
+
+def test_builtin_demonstrations_give_the_bare_number_at_the_sloppy_share():
+    task = PreferenceTask(task=ArithmeticTask(num_train=200, num_val=8, seed=3), sloppy=0.5)
+    demos = generate_preference_task(task)["sft"]
+    bare = [d for d in demos if not d["response"].startswith("#### ")]
+    assert len(bare) == 93 and all(d["response"] == d["answer"] for d in bare)
+    assert all(d["response"] == f"#### {d['answer']}" for d in demos if d not in bare)
 
 
 def test_builtin_preference_files_resolve_by_name():

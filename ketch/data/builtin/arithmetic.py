@@ -145,24 +145,29 @@ def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
 
 
 def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
-    """`files` with `builtin:arithmetic/{train,val}` and `builtin:arithmetic-preference/{train,val}` replaced by
-    cached Parquet paths.
+    """`files` with `builtin:arithmetic/{train,val}` and `builtin:arithmetic-preference/{sft,train,val}`
+    replaced by cached Parquet paths.
 
     Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
     """
+    from ketch.data.builtin.preference import (  # built on this module
+        PREFERENCE_SPLITS,
+        PreferenceTask,
+        builtin_preference_files,
+    )
+
+    splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS}
     resolved = []
     for entry in files:
         if not entry.startswith("builtin:"):
             resolved.append(entry)
             continue
         name, _, split = entry.rpartition("/")
-        if name not in (BUILTIN_TASK, BUILTIN_PREFERENCE_TASK) or split not in SPLITS:
-            choices = ", ".join(f"{n}/{s}" for n in (BUILTIN_TASK, BUILTIN_PREFERENCE_TASK) for s in SPLITS)
+        if split not in splits.get(name, ()):
+            choices = ", ".join(f"{n}/{s}" for n, names in splits.items() for s in names)
             raise ValueError(f"unknown built-in data set {entry!r} in the data files; the built-in ones are: {choices}")
         if name == BUILTIN_TASK:
             resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
         else:
-            from ketch.data.builtin.preference import PreferenceTask, builtin_preference_files  # built on this module
-
             resolved.append(str(builtin_preference_files(PreferenceTask(task or ArithmeticTask()))[split]))
     return resolved

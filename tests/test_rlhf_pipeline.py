@@ -1,0 +1,44 @@
+"""The built-in RLHF pipeline of `examples/rlhf_pipeline/builtin/`, end to end: SFT on demonstrations of mixed
+quality, a reward model on preference pairs, then PPO rewarded by the reward model alone (slow: about four
+minutes on 2 CPU cores)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ketch.config import load_config
+from ketch.tracking import read_metrics
+from ketch.trainer.ppo import PPOTrainer
+from ketch.trainer.rm import RMTrainer
+from ketch.trainer.sft import SFTTrainer
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rlhf_pipeline" / "builtin"
+ACC = "val/ketch/arithmetic/acc"
+
+
+def step_config(step: str, command: str, runs: Path, *overrides: str):
+    common = (f"trainer.default_local_dir={runs}", "trainer.logger=[jsonl]", "trainer.device=cpu")
+    return load_config(EXAMPLE / f"{step}.yaml", [*common, *overrides], command=command)
+
+
+@pytest.mark.slow
+def test_ppo_with_a_reward_model_alone_raises_the_rule_based_accuracy(tmp_path):
+    SFTTrainer(step_config("sft", "sft", tmp_path)).fit()
+    sft_model = tmp_path / "rlhf-sft" / "model"
+    rm_metrics = RMTrainer(step_config("rm", "rm", tmp_path, f"model.path={sft_model}")).fit()
+    # Measured: 0.93 (well above the bar on format and far misses; near misses are hard for a tiny model).
+    assert rm_metrics["val/pairwise_acc"] > 0.9
+
+    ppo = PPOTrainer(
+        step_config(
+            "ppo", "train", tmp_path, f"model.path={sft_model}", f"reward.model.path={tmp_path / 'rlhf-rm' / 'model'}"
+        )
+    )
+    ppo.fit()
+    records = read_metrics(ppo.run_dir / "metrics.jsonl")
+    assert all("reward/rule/mean" not in r for r in records) and "reward/model/mean" in records[1]
+    first, last = records[0][ACC], records[-1][ACC]
+    # Measured: 0.258 -> 0.367 in 60 steps, the format learned from the reward model.
+    assert last >= first + 0.05, f"validation accuracy went from {first:.3f} to {last:.3f}"
