@@ -1,6 +1,6 @@
 """Rollout throughput of the `hf` and `vllm` backends on the same model and prompts (tokens/s).
 
-    python benchmarks/rollout_throughput.py --backends hf vllm --prompts 64 --new-tokens 32 \
+    python benchmarks/rollout_throughput.py --backends hf:generate hf:static vllm --prompts 64 --new-tokens 32 \
         [--model DIR] [--device cpu|cuda] [--out results/rollout_cpu.json]
 
 Without --model a random Qwen2 of the given size is built locally (no network). Responses are forced to

@@ -26,6 +26,6 @@ def test_ppo_raises_validation_accuracy_on_the_builtin_task(tmp_path):
     trainer.fit()
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
     first, last = records[0][ACC], records[-1][ACC]
-    # Measured: 0.242 -> 0.363 after 100 steps; the warm-up stops at >= 0.2.
+    # Measured: 0.215 -> 0.336 after 100 steps; the warm-up stops at >= 0.2.
     assert first >= 0.2
     assert last >= first + 0.05, f"validation accuracy went from {first:.3f} to {last:.3f}"

@@ -28,7 +28,7 @@ def test_ppo_with_a_reward_model_alone_raises_the_rule_based_accuracy(tmp_path):
     SFTTrainer(step_config("sft", "sft", tmp_path)).fit()
     sft_model = tmp_path / "rlhf-sft" / "model"
     rm_metrics = RMTrainer(step_config("rm", "rm", tmp_path, f"model.path={sft_model}")).fit()
-    # Measured: 0.93 (well above the bar on format and far misses; near misses are hard for a tiny model).
+    # Measured: 0.910 (format and far misses are learned; near misses stay hard for a tiny model).
     assert rm_metrics["val/pairwise_acc"] > 0.9
 
     ppo = PPOTrainer(
