@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
@@ -12,7 +13,7 @@ from ketch.config import load_config
 from ketch.data import build_char_tokenizer, get_chat_template
 from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
 from ketch.data.builtin.tokenizer import CHARACTERS, SPECIAL_TOKENS
-from ketch.models import quiet_transformers, save_tiny_model
+from ketch.models import load_reward_model, quiet_transformers, save_tiny_model
 
 quiet_transformers()
 
@@ -80,3 +81,13 @@ def shifted_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         chat_template=get_chat_template("chatml"),
     )
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's backbone with a random one-label score head, saved as a HF directory."""
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("reward-model")
+    load_reward_model(str(tiny_model_dir)).save_pretrained(out)
+    build_char_tokenizer().save_pretrained(out)
+    return out

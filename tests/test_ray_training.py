@@ -67,3 +67,20 @@ def test_a_checkpoint_of_one_rank_resumes_on_two(tiny_config):
         json.loads((trainer.run_dir / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())["world_size"]
         == 2
     )
+
+
+def test_a_split_reward_model_has_processes_of_its_own_and_scores_like_a_local_one(tiny_config, reward_model_dir):
+    rm = (f"reward.model.path={reward_model_dir}", "trainer.total_steps=1")
+    trainer = PPOTrainer(tiny_config(*rm, "trainer.n_cpu_workers=2", "reward.model.placement=split"))
+    trainer._open()
+    batch, _ = trainer._score(trainer._generate(trainer._expand(trainer.loader.next_batch()), 1))
+    actor_pids = {p["pid"] for p in trainer.groups.owned[0].places.values()}
+    rm_pids = {p["pid"] for p in trainer.groups.owned[-1].places.values()}
+    trainer.groups.shutdown()
+    assert len(rm_pids) == 2 and rm_pids.isdisjoint(actor_pids)
+    local = PPOTrainer(tiny_config(*rm, "trainer.backend=local", "trainer.experiment_name=local"))
+    local._open()
+    keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask"]
+    expected = local.reward_model.compute_rm_score(batch.select(keys, [], [])).batch["rm_scores"]
+    local.groups.shutdown()
+    assert batch.batch["rm_scores"].sum(-1).tolist() == pytest.approx(expected.sum(-1).tolist(), rel=1e-5, abs=1e-6)

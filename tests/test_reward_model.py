@@ -19,23 +19,13 @@ from ketch.data import build_char_tokenizer, format_prompt
 from ketch.data.batching import pad
 from ketch.data.builtin.arithmetic import ArithmeticTask, write_rows_atomic
 from ketch.data.builtin.preference import PreferenceTask, generate_preference_task
-from ketch.models import load_reward_model, load_tokenizer
+from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rollout.base import assemble_sequences, response_mask_from_stops
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.rm import RMTrainer
 from ketch.workers import RewardModelWorker
-
-
-@pytest.fixture(scope="session")
-def reward_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's backbone with a random one-label score head, saved as a HF directory."""
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("reward-model")
-    load_reward_model(str(tiny_model_dir)).save_pretrained(out)
-    build_char_tokenizer().save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")
