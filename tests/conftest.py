@@ -6,13 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from ketch.config import load_config
-from ketch.data import build_char_tokenizer, get_chat_template
+from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
-from ketch.data.builtin.tokenizer import CHARACTERS, SPECIAL_TOKENS
 from ketch.models import load_reward_model, quiet_transformers, save_tiny_model
 
 quiet_transformers()
@@ -68,19 +66,7 @@ def tiny_config(tiny_model_dir: Path, task_files: dict[str, Path], tmp_path: Pat
 def shifted_tokenizer() -> PreTrainedTokenizerFast:
     """The character tokenizer with two more special tokens in front (every id moved up by 2) and ChatML: the
     same text under other ids, like a reward model's tokenizer that differs from the actor's."""
-    specials = ("<x0>", "<x1>", *SPECIAL_TOKENS)
-    vocab = {token: i for i, token in enumerate((*specials, *CHARACTERS))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-        chat_template=get_chat_template("chatml"),
-    )
+    return build_char_tokenizer(extra_specials=("<x0>", "<x1>"), chat_template="chatml")
 
 
 @pytest.fixture(scope="session")

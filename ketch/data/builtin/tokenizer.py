@@ -15,17 +15,19 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 CHARACTERS = ("\n", *(chr(code) for code in range(32, 127)))
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(extra_specials: tuple[str, ...] = (), chat_template: str = "plain") -> PreTrainedTokenizerFast:
     """A fast tokenizer mapping every character to its own token; padding on the left, nothing added on encode.
 
-    Its chat template writes each message as `role: content` on its own line and ends with
-    `assistant: ` as the generation prompt.
+    Its chat template (`plain`) writes each message as `role: content` on its own line and ends with
+    `assistant: ` as the generation prompt. `extra_specials` go in front of the ids above, moving every
+    other id up (the same text under other ids, as a second model's tokenizer may have it).
     """
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    specials = (*extra_specials, *SPECIAL_TOKENS)
+    vocab = {token: i for i, token in enumerate((*specials, *CHARACTERS))}
     # A BPE model without merges splits text into single characters, each looked up in the vocabulary.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
@@ -34,5 +36,5 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         padding_side="left",
         clean_up_tokenization_spaces=False,
-        chat_template=get_chat_template("plain"),
+        chat_template=get_chat_template(chat_template),
     )
