@@ -2,7 +2,8 @@
 
 Every rank writes its own shards of the model and optimizer state into one directory, plus a small
 per-rank file (`extra_rank{r}.pt`: learning-rate schedule, RNG states and whatever the worker adds) and,
-on rank 0, `manifest.json` (world size and parameter layout). DCP reshards on load, so a checkpoint can
+on rank 0, `manifest.json` (world size and parameter layout) and `hf/` (the Hugging Face config and
+tokenizer, so that the checkpoint exports on its own). DCP reshards on load, so a checkpoint can
 be resumed with another world size; the per-rank RNG states then cannot be, which is said in a warning.
 """
 
@@ -24,6 +25,9 @@ from ketch.engine.engine import TrainEngine
 
 logger = logging.getLogger("ketch.engine")
 
+HF_DIR = "hf"
+"""Subdirectory of an engine checkpoint holding the Hugging Face config and tokenizer."""
+
 
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -40,8 +44,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_engine(engine: TrainEngine, directory: Path, extra: dict[str, Any] | None = None) -> None:
-    """Write the engine's sharded model/optimizer state, its lr schedule and `extra` (every rank calls)."""
+def save_engine(
+    engine: TrainEngine, directory: Path, extra: dict[str, Any] | None = None, hf_config=None, tokenizer=None
+) -> None:
+    """Write the engine's sharded model/optimizer state, its lr schedule and `extra` (every rank calls);
+    rank 0 adds `hf_config` and `tokenizer`, when given, under `HF_DIR`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rank, world = _rank_world()
@@ -52,6 +59,9 @@ def save_engine(engine: TrainEngine, directory: Path, extra: dict[str, Any] | No
         layout = {name: list(p.shape) for name, p in engine.module.named_parameters()}
         manifest = {"format": "torch.distributed.checkpoint", "world_size": world, "parameters": layout}
         (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        for part in (hf_config, tokenizer):
+            if part is not None:
+                part.save_pretrained(directory / HF_DIR)
 
 
 def load_engine(engine: TrainEngine, directory: Path) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ketch.config.schema import KetchConfig
+from ketch.config.schema import KetchConfig, RolloutConfig
 from ketch.protocol import DataProto
 
 _BACKENDS: dict[str, type[Rollout] | str] = {"vllm": "ketch.rollout.vllm:VLLMRollout"}
@@ -76,6 +76,31 @@ def build_rollout(
 def stop_token_ids(eos_token_id: int, extra: list[int]) -> list[int]:
     """The tokens that end a response: the tokenizer's EOS, then `rollout.stop_token_ids`, without repeats."""
     return list(dict.fromkeys([eos_token_id, *extra]))
+
+
+def call_sampling(prompts: DataProto, config: RolloutConfig) -> tuple[bool, float]:
+    """(do_sample, temperature) of one `generate` call: `meta_info` overrides the config; greedy gets 1.0."""
+    do_sample = prompts.meta_info.get("do_sample", config.do_sample)
+    return do_sample, prompts.meta_info.get("temperature", config.temperature) if do_sample else 1.0
+
+
+def rollout_output(
+    prompts: DataProto,
+    responses: torch.Tensor,
+    log_probs: torch.Tensor,
+    stop_token_ids: list[int] | None,
+    pad_token_id: int,
+) -> DataProto:
+    """A backend's sampled `responses` and their `log_probs` `[batch, response_len]` as the `Rollout` fields:
+    tokens after each row's first stop token become padding; `stop_token_ids=None` (`rollout.ignore_eos`)
+    keeps every token."""
+    if stop_token_ids is None:
+        response_mask = torch.ones_like(responses)
+    else:
+        response_mask = response_mask_from_stops(responses, stop_token_ids)
+    result = assemble_sequences(prompts, responses.masked_fill(response_mask == 0, pad_token_id), response_mask)
+    result.batch["rollout_log_probs"] = log_probs * response_mask
+    return result
 
 
 def response_mask_from_stops(responses: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm
 from ketch.protocol import DataProto
-from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops, stop_token_ids
+from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output, stop_token_ids
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 
@@ -36,22 +36,12 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
-        do_sample = prompts.meta_info.get("do_sample", self.config.do_sample)
-        temperature = prompts.meta_info.get("temperature", self.config.temperature) if do_sample else 1.0
-        device = next(self.model.parameters()).device
-        prompts = prompts.to(device)
-        if self.decoder is not None:
-            responses, log_probs = self._decode_static(prompts, do_sample, temperature)
-        else:
-            responses, log_probs = self._decode_generate(prompts, do_sample, temperature)
-        if self.config.ignore_eos:
-            response_mask = torch.ones_like(responses)
-        else:
-            response_mask = response_mask_from_stops(responses, self.stop_token_ids)
-        responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
-        result = assemble_sequences(prompts, responses, response_mask)
-        result.batch["rollout_log_probs"] = log_probs * response_mask
-        return result
+        do_sample, temperature = call_sampling(prompts, self.config)
+        prompts = prompts.to(next(self.model.parameters()).device)
+        decode = self._decode_static if self.decoder is not None else self._decode_generate
+        responses, log_probs = decode(prompts, do_sample, temperature)
+        stops = None if self.config.ignore_eos else self.stop_token_ids
+        return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
 
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float):
         prompt_ids = prompts.batch["input_ids"]

@@ -23,8 +23,9 @@ class StaticDecoder:
     def __init__(self, model: nn.Module, compile_step: bool):
         self.model = model
         self.caches: dict[tuple[int, int], StaticCache] = {}
-        step = self._step
-        self.step = torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False) if compile_step else step
+        self.step = self._step
+        if compile_step:
+            self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
     def _step(self, tokens, attention_mask, position_ids, cache_position, cache):
         out = self.model(
@@ -92,14 +93,12 @@ class Sampling:
         self.do_sample, self.temperature, self.top_p, self.top_k = do_sample, temperature, top_p, top_k
 
     def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.do_sample:
-            log_probs = logits.log_softmax(-1)
-            token = logits.argmax(-1)
-            return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
-        scaled = logits / self.temperature
-        log_probs = scaled.log_softmax(-1)
-        token = torch.multinomial(self._filter(scaled).softmax(-1), 1).squeeze(-1)
-        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+        if self.do_sample:
+            scaled = logits / self.temperature
+            token = torch.multinomial(self._filter(scaled).softmax(-1), 1).squeeze(-1)
+        else:
+            scaled, token = logits, logits.argmax(-1)
+        return token, scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
 
     def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
         """Logits outside the top-k and the top-p nucleus set to -inf."""

@@ -17,7 +17,7 @@ from torch import nn
 from ketch.config.schema import KetchConfig
 from ketch.protocol import DataProto
 from ketch.rollout import vllm_adapter as adapter
-from ketch.rollout.base import Rollout, assemble_sequences, register_rollout, response_mask_from_stops, stop_token_ids
+from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output, stop_token_ids
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -60,23 +60,15 @@ class VLLMRollout(Rollout):
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
-        do_sample = prompts.meta_info.get("do_sample", self.config.do_sample)
-        temperature = prompts.meta_info.get("temperature", self.config.temperature) if do_sample else 1.0
+        do_sample, temperature = call_sampling(prompts, self.config)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         requests = adapter.token_prompts([row[keep].tolist() for row, keep in zip(ids, mask, strict=True)])
         outputs = self.engine.generate(requests, self._sampling(do_sample, temperature), use_tqdm=False)
         samples = [out.outputs[0] for out in outputs]
         responses = self._pad([s.token_ids for s in samples], self.pad_token_id, torch.long)
         log_probs = self._pad([[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)] for s in samples])
-        if self.config.ignore_eos:
-            response_mask = torch.ones_like(responses)
-        else:
-            response_mask = response_mask_from_stops(responses, self.stop_token_ids)
-        result = assemble_sequences(
-            prompts, responses.masked_fill(response_mask == 0, self.pad_token_id), response_mask
-        )
-        result.batch["rollout_log_probs"] = log_probs * response_mask
-        return result
+        stops = None if self.config.ignore_eos else self.stop_token_ids
+        return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
 
     def _sampling(self, do_sample: bool, temperature: float):
         r = self.config

@@ -46,12 +46,17 @@ WARMUP_TARGET = 0.2
 def resolve_model_path(config: KetchConfig) -> str:
     """`model.path`, or for the built-in model the cached warmed-up directory (built on first use)."""
     if config.model.path != BUILTIN_MODEL:
-        local = Path(config.model.path).expanduser()
-        return str(local.resolve()) if local.exists() else config.model.path
+        return local_or_hub(config.model.path)
     target = cache_dir() / "models" / f"tiny-arithmetic-{_settings_hash()}"
     if not (target / "config.json").is_file():
         _warm_up(target, config.trainer.device)
     return str(target)
+
+
+def local_or_hub(path: str) -> str:
+    """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
 
 
 def _settings_hash() -> str:

@@ -74,6 +74,12 @@ class CheckpointManager:
         complete = self.complete()
         return complete[-1] if complete else None
 
+    def to_resume(self, mode: str) -> Path | None:
+        """The checkpoint `trainer.resume_mode` names: None for `disable`, the newest for `auto`, else the path."""
+        if mode == "disable":
+            return None
+        return self.latest() if mode == "auto" else Path(mode)
+
     def _rotate(self) -> None:
         if self.keep:
             for old in self.complete()[: -self.keep]:
@@ -85,6 +91,12 @@ class CheckpointManager:
         fs, path = fsspec.core.url_to_fs(target)
         fs.put(str(checkpoint), path, recursive=True)
         logger.info("copied checkpoint to %s", target)
+
+
+def due(freq: int, step: int, total_steps: int) -> bool:
+    """Whether an event every `freq` steps (`trainer.test_freq`, `trainer.save_freq`; 0 = never) falls on
+    `step`; the last step always has it."""
+    return freq > 0 and (step % freq == 0 or step == total_steps)
 
 
 def read_trainer_state(checkpoint: Path) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from ketch.controller.errors import WorkerDiedError, WorkerError, is_out_of_memo
 from ketch.report import write_report
 from ketch.rollout import stop_token_ids
 from ketch.tracking import Tracker, info
-from ketch.trainer.checkpoint import CheckpointManager, read_trainer_state
+from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
 
 logger = logging.getLogger("ketch")
@@ -65,11 +65,11 @@ class TrainingLoop:
         while self.step < self.total_steps:
             step = self.step + 1
             metrics = self._train_step(self.loader.next_batch(), step)
-            if self._due(t.test_freq, step) and self.val_set is not None:
+            if due(t.test_freq, step, self.total_steps) and self.val_set is not None:
                 metrics |= self._validate_and_log_samples(step)
             self.step, self.loader_state = step, self.loader.state_dict()
             self.tracker.log(metrics, step)
-            if self._due(t.save_freq, step) or step == self.total_steps:
+            if due(t.save_freq, step, self.total_steps) or step == self.total_steps:
                 self._save_checkpoint()
         return metrics
 
@@ -79,9 +79,6 @@ class TrainingLoop:
         keep = self.config.trainer.val_samples_to_log
         self.tracker.log_samples([r for r in getattr(metrics, "samples", []) if r["prompt_id"] < keep], step)
         return metrics
-
-    def _due(self, freq: int, step: int) -> bool:
-        return freq > 0 and (step % freq == 0 or step == self.total_steps)
 
     # ----------------------------------------------------------------- start, checkpoints, resume
     def _open(self) -> None:
@@ -94,17 +91,11 @@ class TrainingLoop:
         self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
         self.failures = []
         self.groups = self._build_groups()
-        self._resume(self._resume_path())
+        self._resume(self.checkpoints.to_resume(c.trainer.resume_mode))
         info(
             f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
             f"{self.plan.sequences_per_step} samples"
         )
-
-    def _resume_path(self) -> Path | None:
-        mode = self.config.trainer.resume_mode
-        if mode == "disable":
-            return None
-        return self.checkpoints.latest() if mode == "auto" else Path(mode)
 
     def _resume(self, checkpoint: Path | None) -> None:
         """Restore every part of the run from `checkpoint`, or start fresh when it is None."""

@@ -29,7 +29,7 @@ from ketch.data.loader import PromptLoader
 from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
-from ketch.trainer.builtin import resolve_model_path
+from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
@@ -49,7 +49,7 @@ class PPOTrainer(TrainingLoop):
         load_model_config(self.model_path, c.model.trust_remote_code)  # a bad model path fails before any work
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
-        self.reward_model_path = _local_or_hub(c.reward.model.path) if c.reward.model.path else None
+        self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
         if self.reward_model_path is not None:  # a bad reward model path fails before any work
             load_model_config(self.reward_model_path, c.model.trust_remote_code)
         self.mixer = RewardMixer(c.reward.source_weights, c.reward.clip, c.reward.normalize)
@@ -164,9 +164,8 @@ class PPOTrainer(TrainingLoop):
     def _for_update(self, batch: DataProto) -> DataProto:
         """Only what the actor update reads travels to the workers."""
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
-        keys += [k for k in ("old_log_prob", "ref_log_prob") if k in batch.batch]
-        if not self.config.actor.use_kl_loss and "ref_log_prob" in keys:
-            keys.remove("ref_log_prob")
+        optional = ["old_log_prob"] + (["ref_log_prob"] if self.config.actor.use_kl_loss else [])
+        keys += [k for k in optional if k in batch.batch]
         return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
 
     def _validate(self, step: int) -> dict[str, float]:
@@ -198,12 +197,6 @@ class PPOTrainer(TrainingLoop):
                 step,
                 self.config.data.max_response_length,
             )
-
-
-def _local_or_hub(path: str) -> str:
-    """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
-    local = Path(path).expanduser()
-    return str(local.resolve()) if local.exists() else path
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
 from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
-from ketch.trainer.checkpoint import CheckpointManager, read_trainer_state
+from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import build_reward_model_group
 
 ROLE_DIR = "reward_model"
@@ -60,14 +60,14 @@ class RMTrainer:
         metrics: dict[str, float] = {}
         for step in range(start + 1, self.total_steps + 1):
             metrics = group.rm_step(self.loader.next_batch()).meta_info["metrics"]
-            validated = self.val_set is not None and _due(c.trainer.test_freq, step, self.total_steps)
+            validated = self.val_set is not None and due(c.trainer.test_freq, step, self.total_steps)
             if validated:
                 metrics |= self.validate(group)
             tracker.log(metrics, step)
             if step % c.trainer.log_interval == 0 or validated:
                 shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if "loss" in k or "acc" in k)
                 info(f"RM step {step}/{self.total_steps}: {shown}", tracker.bar)
-            if _due(c.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
+            if due(c.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
                 self._save(group, checkpoints, step)
         group.save_pretrained(str((self.run_dir / "model").resolve()))
         groups.shutdown()
@@ -106,8 +106,7 @@ class RMTrainer:
 
     def _resume(self, group, checkpoints: CheckpointManager, tracker: Tracker) -> int:
         """Load the checkpoint `trainer.resume_mode` names, if any; returns the steps already done."""
-        mode = self.config.trainer.resume_mode
-        checkpoint = None if mode == "disable" else checkpoints.latest() if mode == "auto" else Path(mode)
+        checkpoint = checkpoints.to_resume(self.config.trainer.resume_mode)
         if checkpoint is None:
             tracker.truncate_after(-1)
             return 0
@@ -117,10 +116,6 @@ class RMTrainer:
         tracker.truncate_after(state["global_step"])
         info(f"resumed from {checkpoint} at step {state['global_step']}")
         return state["global_step"]
-
-
-def _due(freq: int, step: int, total: int) -> bool:
-    return freq > 0 and (step % freq == 0 or step == total)
 
 
 def _check_sizes(c: KetchConfig) -> None:

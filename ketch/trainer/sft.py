@@ -15,6 +15,7 @@ from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
+from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
 from ketch.trainer.validation import generate_and_score
 
@@ -52,7 +53,7 @@ class SFTTrainer:
         metrics: dict[str, float] = {}
         for step in range(1, self.total_steps + 1):
             metrics = group.sft_step(self.loader.next_batch()).meta_info["metrics"]
-            validated = self.val_set is not None and self._due(step)
+            validated = self.val_set is not None and due(c.trainer.test_freq, step, self.total_steps)
             if validated:
                 metrics |= self._validate(group)
             tracker.log(metrics, step)
@@ -67,10 +68,6 @@ class SFTTrainer:
         tracker.close()
         info(f"SFT finished: model saved to {self.run_dir / 'model'}")
         return metrics
-
-    def _due(self, step: int) -> bool:
-        freq = self.config.trainer.test_freq
-        return freq > 0 and (step % freq == 0 or step == self.total_steps)
 
     def _validate(self, group) -> dict[str, float]:
         """`val/loss` (mean NLL per target token) and, where ground truth exists, the greedy accuracy."""

@@ -188,12 +188,8 @@ class ActorRolloutRefWorker(Worker):
     # ----------------------------------------------------------------- checkpoints
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Sharded actor model/optimizer/schedule and this rank's RNG; rank 0 adds the HF config and
-        tokenizer (under `hf/`) so that the checkpoint exports on its own."""
-        save_engine(self.actor, Path(directory), {"update_count": self.update_count})
-        if self.rank == 0:
-            self.hf_config.save_pretrained(Path(directory) / "hf")
-            self.tokenizer.save_pretrained(Path(directory) / "hf")
+        """Sharded actor model/optimizer/schedule, this rank's RNG, the HF config and tokenizer."""
+        save_engine(self.actor, Path(directory), {"update_count": self.update_count}, self.hf_config, self.tokenizer)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:

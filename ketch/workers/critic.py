@@ -58,10 +58,8 @@ class CriticWorker(Worker):
 
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Sharded critic model/optimizer/schedule and this rank's RNG; rank 0 adds the HF config (`hf/`)."""
-        save_engine(self.critic, Path(directory), {"update_count": self.update_count})
-        if self.rank == 0:
-            self.critic.module.critic.config.save_pretrained(Path(directory) / "hf")
+        """Sharded critic model/optimizer/schedule, this rank's RNG and the HF config."""
+        save_engine(self.critic, Path(directory), {"update_count": self.update_count}, self.critic.module.critic.config)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:

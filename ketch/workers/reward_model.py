@@ -114,11 +114,8 @@ class RewardModelWorker(Worker):
 
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Sharded model/optimizer/schedule and this rank's RNG; rank 0 adds the HF config and tokenizer (`hf/`)."""
-        save_engine(self.engine, Path(directory), {"update_count": self.update_count})
-        if self.rank == 0:
-            self.hf_config.save_pretrained(Path(directory) / "hf")
-            self.tokenizer.save_pretrained(Path(directory) / "hf")
+        """Sharded model/optimizer/schedule, this rank's RNG, the HF config and tokenizer."""
+        save_engine(self.engine, Path(directory), {"update_count": self.update_count}, self.hf_config, self.tokenizer)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
