@@ -30,7 +30,7 @@ def model_row(config: KetchConfig) -> tuple[Check, Any]:
     fix = "set model.path to a Hugging Face model directory (config.json, weights, tokenizer) or a reachable hub id"
     try:
         model = load_model_config(m.path, m.trust_remote_code, m.override_config)
-        tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code)
+        tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code, m.path)
     except ModelLoadError as err:
         return Check("model", "FAIL", str(err), fix), None
     local = Path(m.path).expanduser()

@@ -3,6 +3,7 @@ built-in task, and serving an export over HTTP. One engine is shared by the work
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -17,8 +18,9 @@ from ketch.config import derive_batch_plan, load_config
 from ketch.controller import LocalWorkerGroup
 from ketch.data import RLHFDataset, build_char_tokenizer
 from ketch.engine.distributed import free_port
-from ketch.models import save_tiny_model
+from ketch.models import load_tokenizer, save_tiny_model
 from ketch.protocol import DataProto
+from ketch.rollout import build_rollout
 from ketch.rollout.vllm_adapter import installed_version, supported_range
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
@@ -40,11 +42,38 @@ def small_kv_cache():
         yield
 
 
+SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
+"""A 2-layer Qwen2 with 32-wide heads (vLLM's CPU attention kernels need head_dim >= 32)."""
+
+
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory):
-    """A 2-layer Qwen2 with 32-wide heads (vLLM's CPU attention kernels need head_dim >= 32)."""
-    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
-    return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), build_char_tokenizer(), **sizes)
+    return save_tiny_model(tmp_path_factory.mktemp("vllm-model"), build_char_tokenizer(), **SIZES)
+
+
+def test_a_generation_config_eos_the_tokenizer_does_not_name_ends_vllm_responses(tmp_path, task_files):
+    # Runs before the shared engine starts, and frees its own: one vLLM engine per process at a time.
+    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **SIZES)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 8]}))  # 8 is '#'
+    overrides = [f"model.path={model_dir}", f"data.train_files=[{task_files['train']}]", "data.max_response_length=12"]
+    config = load_config(overrides=[*overrides, "rollout.name=vllm", "trainer.device=cpu"])
+    rollout = build_rollout(
+        config, str(model_dir), load_tokenizer(str(model_dir)), torch.float32, torch.device("cpu"), 0
+    )
+    try:
+        out = rollout.generate(prompts(config, rows=16)).batch
+    finally:
+        del rollout
+        gc.collect()
+    stopped = 0
+    for row, row_mask in zip(out["responses"], out["response_mask"], strict=True):
+        length = int(row_mask.sum())
+        hashes = (row[:length] == 8).nonzero().flatten().tolist()
+        if hashes:
+            assert hashes == [length - 1], "the response ends with its first '#', which stays in it"
+            stopped += 1
+        assert (row[length:] == 0).all(), "nothing after the stop token"
+    assert stopped > 0, "no response said #"
 
 
 @pytest.fixture(scope="module")

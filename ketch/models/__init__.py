@@ -11,11 +11,14 @@ from ketch.models.loader import (
     quiet_transformers,
     resolve_dtype,
 )
+from ketch.models.special_tokens import ensure_pad_token, generation_token_ids, stop_token_ids, turn_start_ids
 from ketch.models.tiny import build_tiny_model, save_tiny_model, tiny_qwen2_config
 
 __all__ = [
     "ModelLoadError",
     "build_tiny_model",
+    "ensure_pad_token",
+    "generation_token_ids",
     "load_causal_lm",
     "load_critic",
     "load_model_config",
@@ -24,5 +27,7 @@ __all__ = [
     "quiet_transformers",
     "resolve_dtype",
     "save_tiny_model",
+    "stop_token_ids",
     "tiny_qwen2_config",
+    "turn_start_ids",
 ]

@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from ketch.models.special_tokens import ensure_pad_token
+
 logger = logging.getLogger("ketch.models")
 
 _PIPELINE = ("normalizer", "pre_tokenizer", "model", "decoder")
@@ -141,8 +143,9 @@ def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: 
         raise ModelLoadError(f"cannot load {what} from {path!r}: {err}") from err
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False):
-    """The tokenizer at `path`, with left padding and a pad token (EOS when it has none)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, model_path: str | None = None):
+    """The tokenizer at `path`, with left padding and a pad token that never opens a turn (see
+    `ensure_pad_token`; chosen with the generation config of `model_path`, default `path`)."""
     quiet_transformers()
     _check_path(path, "tokenizer")
     try:
@@ -151,11 +154,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         where = "model.tokenizer_path or model.path"
         raise ModelLoadError(f"cannot load a tokenizer from {path!r} ({where}): {err}") from err
     tokenizer = _as_saved(tokenizer, path)
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token_id is None:
-            raise ModelLoadError(f"the tokenizer at {path!r} has neither a pad nor an EOS token; add one to it")
-        logger.warning("tokenizer at %s has no pad token; using its EOS token %r", path, tokenizer.eos_token)
-        tokenizer.pad_token = tokenizer.eos_token
+    try:
+        ensure_pad_token(tokenizer, model_path or path)
+    except ValueError as err:
+        raise ModelLoadError(str(err)) from err
     tokenizer.padding_side = "left"
     return tokenizer
 

@@ -7,7 +7,6 @@ from ketch.rollout.base import (
     get_rollout_class,
     register_rollout,
     response_mask_from_stops,
-    stop_token_ids,
 )
 
 __all__ = [
@@ -16,5 +15,4 @@ __all__ = [
     "get_rollout_class",
     "register_rollout",
     "response_mask_from_stops",
-    "stop_token_ids",
 ]

@@ -73,11 +73,6 @@ def build_rollout(
     return get_rollout_class(config.rollout.name)(config, model_path, tokenizer, dtype, device, seed)
 
 
-def stop_token_ids(eos_token_id: int, extra: list[int]) -> list[int]:
-    """The tokens that end a response: the tokenizer's EOS, then `rollout.stop_token_ids`, without repeats."""
-    return list(dict.fromkeys([eos_token_id, *extra]))
-
-
 def call_sampling(prompts: DataProto, config: RolloutConfig) -> tuple[bool, float]:
     """(do_sample, temperature) of one `generate` call: `meta_info` overrides the config; greedy gets 1.0."""
     do_sample = prompts.meta_info.get("do_sample", config.do_sample)

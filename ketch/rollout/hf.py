@@ -9,9 +9,9 @@ from torch import nn
 from transformers import GenerationConfig
 
 from ketch.config.schema import KetchConfig
-from ketch.models import load_causal_lm
+from ketch.models import load_causal_lm, stop_token_ids
 from ketch.protocol import DataProto
-from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output, stop_token_ids
+from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 
@@ -28,7 +28,7 @@ class HFRollout(Rollout):
         self.config = config.rollout
         self.max_response_length = config.data.max_response_length
         self.pad_token_id = tokenizer.pad_token_id
-        self.stop_token_ids = stop_token_ids(tokenizer.eos_token_id, config.rollout.stop_token_ids)
+        self.stop_token_ids = stop_token_ids(tokenizer, model_path, config.rollout.stop_token_ids)
         static = config.rollout.hf_decoding == "static" or (
             config.rollout.hf_decoding == "auto" and device.type == "cuda"
         )

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from ketch.config.schema import KetchConfig
+from ketch.models import stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout import vllm_adapter as adapter
-from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output, stop_token_ids
+from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -38,7 +39,7 @@ class VLLMRollout(Rollout):
             )
         self.config, self.max_response_length = r, d.max_response_length
         self.pad_token_id = tokenizer.pad_token_id
-        self.stop_token_ids = stop_token_ids(tokenizer.eos_token_id, r.stop_token_ids)
+        self.stop_token_ids = stop_token_ids(tokenizer, model_path, r.stop_token_ids)
         self.sleeps = adapter.can_sleep(device)
         self.asleep = False
         settings = {

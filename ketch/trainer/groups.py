@@ -54,8 +54,7 @@ def build_worker_groups(
         specs["critic"] = (CriticWorker, config, model_path, plan, critic_updates)
     if reward_model_path is not None:
         tokenizer_path = config.reward.model.tokenizer_path or reward_model_path
-        actor_tokenizer = config.model.tokenizer_path or model_path
-        specs["reward_model"] = (RewardModelWorker, config, reward_model_path, tokenizer_path, None, actor_tokenizer)
+        specs["reward_model"] = (RewardModelWorker, config, reward_model_path, tokenizer_path, None, model_path)
     return _build(config, specs)
 
 

@@ -20,8 +20,8 @@ import torch
 
 from ketch.config import to_dict
 from ketch.controller.errors import WorkerDiedError, WorkerError, is_out_of_memory
+from ketch.models import stop_token_ids
 from ketch.report import write_report
-from ketch.rollout import stop_token_ids
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
@@ -157,7 +157,7 @@ class TrainingLoop:
             "tensor_parallel_size": r.tensor_parallel_size,
             "max_model_len": r.max_model_len or c.data.max_prompt_length + c.data.max_response_length,
             "dtype": dtype,
-            "stop_token_ids": stop_token_ids(self.tokenizer.eos_token_id, r.stop_token_ids),
+            "stop_token_ids": stop_token_ids(self.tokenizer, self.model_path, r.stop_token_ids),
             "gpu_memory_utilization": r.gpu_memory_utilization,
         }
 

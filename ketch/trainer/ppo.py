@@ -47,7 +47,9 @@ class PPOTrainer(TrainingLoop):
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         load_model_config(self.model_path, c.model.trust_remote_code)  # a bad model path fails before any work
-        self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
+        )
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
         if self.reward_model_path is not None:  # a bad reward model path fails before any work
@@ -193,7 +195,7 @@ class PPOTrainer(TrainingLoop):
             logger.warning(
                 "every response of step %d reached data.max_response_length=%d without a stop token, so rewards "
                 "see cut-off answers; raise data.max_response_length, or check the stop tokens (the tokenizer's "
-                "EOS and rollout.stop_token_ids)",
+                "EOS, the EOS ids of the model's generation_config.json and rollout.stop_token_ids)",
                 step,
                 self.config.data.max_response_length,
             )

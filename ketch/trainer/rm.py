@@ -37,7 +37,9 @@ class RMTrainer:
         self.config = c = config
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
-        tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
+        tokenizer = load_tokenizer(
+            c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
+        )
         self.train_set = PreferenceDataset(resolve_data_files(c.data.train_files), tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = PreferenceDataset(val_files, tokenizer, c.data) if val_files else None

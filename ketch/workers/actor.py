@@ -18,9 +18,9 @@ from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import PolicyModel
 from ketch.engine.micro import split_micro_batches
-from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
+from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype, stop_token_ids
 from ketch.protocol import DataProto
-from ketch.rollout import build_rollout, stop_token_ids
+from ketch.rollout import build_rollout
 from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
 
 
@@ -37,7 +37,9 @@ class ActorRolloutRefWorker(Worker):
         c = self.config
         self.device = setup_process(c.trainer.device, c.trainer.seed)
         self.dtype = resolve_dtype(c.model.dtype, self.device)
-        self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
+        )
         mixed = self.dtype if self.dtype != torch.float32 else None
         self.actor = TrainEngine(
             PolicyModel(self._load(torch.float32)),
@@ -182,7 +184,7 @@ class ActorRolloutRefWorker(Worker):
         and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
         state = gather_hf_state(self.actor)
         if self.rank == 0:
-            stops = stop_token_ids(self.tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
+            stops = stop_token_ids(self.tokenizer, self.model_path, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)
 
     # ----------------------------------------------------------------- checkpoints

@@ -16,9 +16,8 @@ from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import ScoreModel
-from ketch.models import load_reward_model, load_tokenizer, resolve_dtype
+from ketch.models import load_reward_model, load_tokenizer, resolve_dtype, stop_token_ids
 from ketch.protocol import DataProto
-from ketch.rollout import stop_token_ids
 from ketch.workers.common import setup_process
 
 
@@ -26,8 +25,9 @@ class RewardModelWorker(Worker):
     """Holds the reward model at `model_path` with its tokenizer at `tokenizer_path`.
 
     `total_updates` (optimizer steps of `ketch rm`) gives it an optimizer; None keeps it frozen (PPO).
-    `actor_tokenizer_path`, in PPO, is the actor's tokenizer: samples are re-encoded for the reward model
-    when the two tokenizers or chat templates differ (`reward.model.retokenize`)."""
+    `actor_model_path`, in PPO, is the actor's model (its tokenizer is `model.tokenizer_path` or that path):
+    samples are re-encoded for the reward model when the two tokenizers or chat templates differ
+    (`reward.model.retokenize`)."""
 
     def __init__(
         self,
@@ -35,11 +35,11 @@ class RewardModelWorker(Worker):
         model_path: str,
         tokenizer_path: str,
         total_updates: int | None = None,
-        actor_tokenizer_path: str | None = None,
+        actor_model_path: str | None = None,
     ):
         super().__init__()
         self.config, self.model_path, self.tokenizer_path = config, model_path, tokenizer_path
-        self.total_updates, self.actor_tokenizer_path = total_updates, actor_tokenizer_path
+        self.total_updates, self.actor_model_path = total_updates, actor_model_path
         self.update_count = 0
 
     @register(ONE_TO_ALL)
@@ -59,9 +59,10 @@ class RewardModelWorker(Worker):
     def _actor_tokenizer_if_needed(self):
         """The actor's tokenizer when samples must be re-encoded for the reward model, else None."""
         r = self.config.reward.model
-        if self.actor_tokenizer_path is None or r.retokenize == "never":
+        if self.actor_model_path is None or r.retokenize == "never":
             return None
-        actor = load_tokenizer(self.actor_tokenizer_path, self.config.model.trust_remote_code)
+        m = self.config.model
+        actor = load_tokenizer(m.tokenizer_path or self.actor_model_path, m.trust_remote_code, self.actor_model_path)
         different = needs_retokenize(actor, self.tokenizer, self.config.data.chat_template, r.chat_template)
         return actor if r.retokenize == "always" or different else None
 
@@ -75,7 +76,7 @@ class RewardModelWorker(Worker):
         if self.actor_tokenizer is None:
             inputs = data.select(["input_ids", "attention_mask", "position_ids", "responses"], [], [])
         else:
-            stops = stop_token_ids(self.actor_tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
+            stops = stop_token_ids(self.actor_tokenizer, self.actor_model_path, self.config.rollout.stop_token_ids)
             chat_template = self.config.reward.model.chat_template
             inputs = as_score_batch(*retokenize(data, self.actor_tokenizer, self.tokenizer, chat_template, stops))
         scores = self.engine.infer(inputs, self.config.reward.model.micro_batch_size_per_device)["scores"].cpu()
