@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.loader import ConfigError
+from ketch.config.parallel import megatron_problems
 from ketch.config.schema import KetchConfig
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -11,7 +12,7 @@ KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 def validate(config: KetchConfig) -> None:
     """Raise `ConfigError` naming the conflicting keys when `config` cannot run."""
-    problems = [p for check in _CHECKS if (p := check(config))]
+    problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config)
     for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
         try:
             derive_batch_plan(config, world_size=world)

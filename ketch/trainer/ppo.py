@@ -24,6 +24,7 @@ from ketch.algorithms import (
 )
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
+from ketch.config.parallel import check_megatron_start
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_model_config, load_tokenizer
@@ -46,7 +47,8 @@ class PPOTrainer(TrainingLoop):
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
-        load_model_config(self.model_path, c.model.trust_remote_code)  # a bad model path fails before any work
+        model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
+        check_megatron_start(c, model_config, torch.cuda.is_available())
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
