@@ -1,0 +1,86 @@
+"""An HF Llama/Qwen2 config as a Megatron-Core `TransformerConfig` and the `GPTModel` chunks of this rank.
+
+Only Megatron-Core's own modules are used (the local layer spec: torch RMSNorm, Megatron's dot-product
+attention), so neither Transformer Engine nor Apex is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+
+from ketch.config.schema import MegatronConfig
+from ketch.engine.megatron.weights import ModelShape, UnsupportedModelError
+
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The Llama 3.1 RoPE scaling Megatron-Core implements (only its `factor` is a parameter there)."""
+
+
+def rope_settings(hf_config: Any) -> dict[str, Any]:
+    """`GPTModel` RoPE arguments: base (theta) and Llama 3.1 scaling; other scalings are refused."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rotary_base": theta, "rope_scaling": False}
+    if kind == "llama3" and all(params.get(k, v) == v for k, v in LLAMA3_ROPE_DEFAULTS.items()):
+        return {"rotary_base": theta, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
+    raise UnsupportedModelError(f"strategy=megatron does not map the model's RoPE scaling {params}")
+
+
+def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype) -> TransformerConfig:
+    """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes."""
+    shape = ModelShape.from_hf(hf_config)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        tensor_model_parallel_size=megatron.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+    )
+
+
+def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights."""
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    models = []
+    for vp_stage in range(chunks):
+        models.append(
+            GPTModel(
+                config,
+                spec,
+                vocab_size=hf_config.vocab_size,
+                max_sequence_length=hf_config.max_position_embeddings,
+                pre_process=pp_rank == 0 and vp_stage == 0,
+                post_process=pp_rank == pp - 1 and vp_stage == chunks - 1,
+                share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+                position_embedding_type="rope",
+                vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None,
+                **rope_settings(hf_config),
+            )
+        )
+    return models
