@@ -82,8 +82,14 @@ def test_round_trip_through_tp2_pp2_shards_is_bit_exact(kind, tied):
         last["decoder.layers.0.mlp.linear_fc2.weight"], hf["model.layers.2.mlp.down_proj.weight"][:, 24:]
     )
     back = megatron_to_hf(chunks, shape, Parallel(tp=2, pp=2))
+    full = hf_to_megatron(hf, shape, Parallel())[(0, 0, 0)]
+    assert all(tuple(t.shape) == shape.full_shape(_global_name(n)) for n, t in full.items())
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], hf[k]) for k in hf)
+
+
+def _global_name(name: str) -> str:
+    return name.split(".", 3)[3] if name.startswith("decoder.layers.") else name
 
 
 def test_qkv_shard_shape_of_a_gqa_layer():
@@ -105,6 +111,9 @@ def test_transformer_config_carries_the_hf_settings():
     assert fields == (4, 32, 48, 4, 2)
     assert (mc.kv_channels, mc.layernorm_epsilon, mc.normalization, mc.gated_linear_unit) == (8, 1e-5, "RMSNorm", True)
     assert (mc.add_qkv_bias, mc.add_bias_linear, mc.tensor_model_parallel_size, mc.bf16) == (True, False, 2, True)
+    # float32 parameters, bfloat16 compute under the schedules' autocast, losses taken as they are
+    assert (mc.params_dtype, mc.enable_autocast, mc.autocast_dtype) == (torch.float32, True, torch.bfloat16)
+    assert mc.calculate_per_token_loss
     assert rope_settings(config) == {"rotary_base": 1e6, "rope_scaling": False}
     llama31 = LlamaConfig(
         **SIZES,

@@ -24,6 +24,10 @@ def megatron_problems(config: KetchConfig) -> list[str]:
     """What in the config alone stops a Megatron run: sizes, device, and roles whose sizes disagree."""
     roles = megatron_roles(config)
     problems = [p for name, m in roles.items() for p in _sizes(name, m)]
+    if "critic" in roles:
+        problems.append("critic.strategy=megatron: the Megatron value model is not built yet; use critic.strategy=fsdp")
+    if "actor" in roles and config.rollout.check_weight_sync:
+        problems.append("rollout.check_weight_sync reads FSDP parameters; turn it off with actor.strategy=megatron")
     if roles and config.trainer.device == "cpu":
         problems.append(f"{next(iter(roles))}.strategy=megatron trains on GPUs only, but trainer.device=cpu")
     gpus = config.num_processes(gpu_visible=True)

@@ -17,8 +17,9 @@ from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import PolicyModel
+from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
-from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
+from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
 from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
@@ -38,21 +39,45 @@ class ActorRolloutRefWorker(Worker):
         self.device = setup_process(c.trainer.device, c.trainer.seed)
         self.dtype = resolve_dtype(c.model.dtype, self.device)
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
-        mixed = self.dtype if self.dtype != torch.float32 else None
-        self.actor = TrainEngine(
-            PolicyModel(self._load(torch.float32)),
-            self.device,
-            c.actor.optim,
-            self.total_updates,
-            param_dtype=mixed,
-            gradient_checkpointing=c.model.gradient_checkpointing,
-        )
-        self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+        if c.actor.strategy == "megatron":
+            self._build_megatron_engines()
+        else:
+            mixed = self.dtype if self.dtype != torch.float32 else None
+            self.actor = TrainEngine(
+                PolicyModel(self._load(torch.float32)),
+                self.device,
+                c.actor.optim,
+                self.total_updates,
+                param_dtype=mixed,
+                gradient_checkpointing=c.model.gradient_checkpointing,
+            )
+            self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+            self.hf_config = self.actor.module.lm.config
         self.rollout = build_rollout(
             c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank
         )
-        self.hf_config = self.actor.module.lm.config
         self._sync_rollout()
+
+    def _build_megatron_engines(self) -> None:
+        """Actor (and reference) as Megatron-Core engines (`actor.strategy=megatron`; the reference follows)."""
+        from ketch.engine.megatron.engine import MegatronEngine
+
+        c = self.config
+        self.hf_config = load_model_config(self.model_path, c.model.trust_remote_code, c.model.override_config)
+        args = (self.hf_config, self.model_path, c.actor.megatron, self.device)
+        self.actor = MegatronEngine(
+            *args, c.actor.optim, self.total_updates, self.dtype, c.model.gradient_checkpointing, c.trainer.seed
+        )
+        self.ref = MegatronEngine(*args, dtype=self.dtype, seed=c.trainer.seed) if c.use_reference else None
+
+    def dispatch_rank(self) -> tuple[int, bool]:
+        """With `actor.strategy=megatron`, tensor/pipeline peers share a data-parallel rank (see `RankGrid`)."""
+        m = self.config.actor.megatron
+        if self.config.actor.strategy != "megatron":
+            return super().dispatch_rank()
+        return RankGrid(
+            self.rank, self.world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        ).dispatch_rank()
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self.config.model

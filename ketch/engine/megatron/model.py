@@ -33,9 +33,14 @@ def rope_settings(hf_config: Any) -> dict[str, Any]:
     raise UnsupportedModelError(f"strategy=megatron does not map the model's RoPE scaling {params}")
 
 
-def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype) -> TransformerConfig:
-    """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes."""
+def transformer_config(
+    hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype, recompute: bool = False
+) -> TransformerConfig:
+    """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes. Parameters (and
+    activations between pipeline stages) stay float32; with `dtype` bfloat16/float16 the schedules run the
+    forward under autocast (as the FSDP engine's mixed precision); `recompute`: full activation recomputation."""
     shape = ModelShape.from_hf(hf_config)
+    recompute_kwargs = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=hf_config.hidden_size,
@@ -55,11 +60,18 @@ def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dt
         pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size,
         sequence_parallel=megatron.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
+        enable_autocast=dtype != torch.float32,
+        autocast_dtype=dtype,
         use_cpu_initialization=True,
+        calculate_per_token_loss=True,
+        # With two stages, a stage's previous and next peer are one rank; Megatron's even/odd ordered sends
+        # keep activations and gradients apart there, which a single batched exchange does not.
+        batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,  # ketch's losses are already shares of the mini-batch mean: no rescaling
+        **(recompute_kwargs if recompute else {}),
     )
 
 

@@ -72,6 +72,9 @@ class ModelShape:
     head_dim: int
     tied: bool
     qkv_bias: bool
+    hidden: int = 0
+    ffn: int = 0
+    vocab: int = 0
 
     @classmethod
     def from_hf(cls, config: Any) -> ModelShape:
@@ -89,7 +92,27 @@ class ModelShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             tied=bool(config.tie_word_embeddings),
             qkv_bias=kind == "qwen2",
+            hidden=config.hidden_size,
+            ffn=config.intermediate_size,
+            vocab=config.vocab_size,
         )
+
+    def full_shape(self, megatron_name: str) -> tuple[int, ...]:
+        """Shape of the full (TP=1) Megatron tensor `megatron_name` (global or per-layer name)."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        shapes = {
+            "embedding.word_embeddings.weight": (self.vocab, self.hidden),
+            "output_layer.weight": (self.vocab, self.hidden),
+            "decoder.final_layernorm.weight": (self.hidden,),
+            "input_layernorm.weight": (self.hidden,),
+            "pre_mlp_layernorm.weight": (self.hidden,),
+            "self_attention.linear_qkv.weight": (qkv, self.hidden),
+            "self_attention.linear_qkv.bias": (qkv,),
+            "self_attention.linear_proj.weight": (self.hidden, self.num_heads * self.head_dim),
+            "mlp.linear_fc1.weight": (2 * self.ffn, self.hidden),
+            "mlp.linear_fc2.weight": (self.hidden, self.ffn),
+        }
+        return shapes[megatron_name]
 
 
 @dataclass(frozen=True)
