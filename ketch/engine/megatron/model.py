@@ -67,10 +67,10 @@ def transformer_config(
         enable_autocast=dtype != torch.float32,
         autocast_dtype=dtype,
         use_cpu_initialization=True,
-        calculate_per_token_loss=True,
+        calculate_per_token_loss=True,  # ketch's losses are already shares of the mini-batch mean: no rescaling
         # With two stages, a stage's previous and next peer are one rank; Megatron's even/odd ordered sends
         # keep activations and gradients apart there, which a single batched exchange does not.
-        batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,  # ketch's losses are already shares of the mini-batch mean: no rescaling
+        batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,
         **(recompute_kwargs if recompute else {}),
     )
 
