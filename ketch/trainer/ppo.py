@@ -101,7 +101,7 @@ class PPOTrainer(TrainingLoop):
         timings["step"] = time.perf_counter() - step_start
         metrics |= kl_metrics | data_metrics(batch, self.config.data.max_response_length)
         metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
-        metrics |= throughput_metrics(batch, timings["step"], self.plan.world_size)
+        metrics |= throughput_metrics(batch, timings["step"], self.config.num_processes(torch.cuda.is_available()))
         metrics["training/epoch"] = batch.meta_info["epoch"]
         return metrics
 
