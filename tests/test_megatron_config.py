@@ -88,9 +88,16 @@ def test_critic_must_share_the_actors_data_parallel_size():
         load_config(overrides=[*GPU_RUN[:2], "actor.strategy=megatron", "actor.megatron.tensor_model_parallel_size=2"])
 
 
-def test_a_megatron_critic_is_refused_until_it_exists():
-    with pytest.raises(ConfigError, match=r"critic\.strategy=megatron: the Megatron value model is not built yet"):
-        load_config(overrides=[*GPU_RUN[:2], "actor.strategy=megatron", "critic.strategy=megatron"])
+def test_actor_and_critic_with_the_same_grid_share_the_data_parallel_ranks():
+    both = ("actor", "critic")
+    config = load_config(
+        overrides=[
+            *GPU_RUN[:2],
+            *(f"{role}.strategy=megatron" for role in both),
+            *(f"{role}.megatron.tensor_model_parallel_size=2" for role in both),
+        ]
+    )
+    assert (config.model_parallel_size, config.world_size(gpu_visible=True)) == (2, 2)
 
 
 def test_ketch_train_with_megatron_on_cpu_exits_2_naming_the_key(capsys):

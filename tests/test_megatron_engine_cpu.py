@@ -96,11 +96,11 @@ def _rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port:
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
-    from ketch.engine.megatron.engine import MegatronEngine
+    from ketch.engine.megatron.engine import MegatronEngine, hf_reader
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     optim = OptimConfig(lr=1e-3, grad_clip=0.0)
-    engine = MegatronEngine(hf_config, model_dir, megatron, torch.device("cpu"), optim, seed=0)
+    engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, torch.device("cpu"), optim, seed=0)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = batch(hf_config.vocab_size).chunk(dp_size)[dp_rank]
     before = engine.infer(mine, 1, calc_entropy=True)
@@ -166,3 +166,57 @@ def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, world, layers,
         if exported is not None:
             assert exported.keys() == weights.keys()
             assert all(torch.equal(exported[k], weights[k]) for k in weights)
+
+
+def value_loss(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+    """Squared error to the advantages used as returns, token mean over the mini-batch."""
+    mask = micro.batch["response_mask"]
+    return ((out["values"] - micro.batch["advantages"]) ** 2 * mask).sum() / num_tokens, {}
+
+
+def _critic(model_dir: Path):
+    from ketch.models import load_critic
+
+    torch.manual_seed(3)  # the fresh value head: the same draw in every process
+    return load_critic(str(model_dir), torch.float32, "sdpa")
+
+
+def _critic_rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    _run_megatron_on_cpu()
+    from ketch.engine.megatron.engine import MegatronEngine
+
+    critic = _critic(Path(model_dir))
+    read, optim = critic.state_dict().__getitem__, OptimConfig(lr=1e-3, grad_clip=0.0)
+    engine = MegatronEngine(critic.config, read, megatron, torch.device("cpu"), optim, seed=0, value_head=True)
+    data = batch(critic.config.vocab_size)
+    values = engine.infer(data, 2)["values"]
+    metrics = engine.train_mini_batch(data.split(2), value_loss)
+    exported = dict(engine.full_parameters())
+    torch.save((values, metrics, exported), f"{out}/critic{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_megatron_critic_matches_the_hf_value_model(tmp_path):
+    from ketch.engine.heads import ValueModel
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "max_positions": 64}
+    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)
+    megatron = MegatronConfig(tensor_model_parallel_size=2)
+    mp.start_processes(_critic_rank, args=(2, megatron, str(model_dir), 29623, str(tmp_path)), nprocs=2)
+    model = ValueModel(_critic(model_dir))
+    weights = {k: v.detach().clone() for k, v in model.critic.state_dict().items()}
+    b = batch(model.critic.config.vocab_size).batch
+    values = model(b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE)["values"]
+    mask = b["response_mask"]
+    loss = ((values - b["advantages"]) ** 2 * mask).sum() / mask.sum()
+    loss.backward()
+    grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None)).item()
+    for rank in range(2):
+        got, metrics, exported = torch.load(tmp_path / f"critic{rank}.pt", weights_only=False)
+        torch.testing.assert_close(got[mask.bool()], values.detach()[mask.bool()], rtol=0, atol=1e-5)
+        assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        assert exported.keys() == weights.keys()  # model.* and score.{weight,bias}, as the HF critic

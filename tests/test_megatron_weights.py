@@ -88,6 +88,22 @@ def test_round_trip_through_tp2_pp2_shards_is_bit_exact(kind, tied):
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
+def test_critic_round_trip_keeps_the_scalar_head_whole_on_every_tensor_rank():
+    from transformers import Qwen2ForTokenClassification
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**SIZES, num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True, num_labels=1)
+    hf = Qwen2ForTokenClassification(config).state_dict()
+    shape, parallel = ModelShape.from_hf(config, value_head=True), Parallel(tp=2, pp=2)
+    assert not shape.tied  # the head is a score, never the embedding
+    chunks = hf_to_megatron(hf, shape, parallel)
+    for tp_rank in range(2):
+        assert torch.equal(chunks[(1, 0, tp_rank)]["output_layer.weight"], hf["score.weight"])  # [1, 32] whole
+        assert torch.equal(chunks[(1, 0, tp_rank)]["output_layer.bias"], hf["score.bias"])
+    back = megatron_to_hf(chunks, shape, parallel)
+    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+
 def _global_name(name: str) -> str:
     return name.split(".", 3)[3] if name.startswith("decoder.layers.") else name
 

@@ -24,8 +24,6 @@ def megatron_problems(config: KetchConfig) -> list[str]:
     """What in the config alone stops a Megatron run: sizes, device, and roles whose sizes disagree."""
     roles = megatron_roles(config)
     problems = [p for name, m in roles.items() for p in _sizes(name, m)]
-    if "critic" in roles:
-        problems.append("critic.strategy=megatron: the Megatron value model is not built yet; use critic.strategy=fsdp")
     if "actor" in roles and config.rollout.check_weight_sync:
         problems.append("rollout.check_weight_sync reads FSDP parameters; turn it off with actor.strategy=megatron")
     if roles and config.trainer.device == "cpu":

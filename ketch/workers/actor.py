@@ -60,11 +60,11 @@ class ActorRolloutRefWorker(Worker):
 
     def _build_megatron_engines(self) -> None:
         """Actor (and reference) as Megatron-Core engines (`actor.strategy=megatron`; the reference follows)."""
-        from ketch.engine.megatron.engine import MegatronEngine
+        from ketch.engine.megatron.engine import MegatronEngine, hf_reader
 
         c = self.config
         self.hf_config = load_model_config(self.model_path, c.model.trust_remote_code, c.model.override_config)
-        args = (self.hf_config, self.model_path, c.actor.megatron, self.device)
+        args = (self.hf_config, hf_reader(self.model_path), c.actor.megatron, self.device)
         self.actor = MegatronEngine(
             *args, c.actor.optim, self.total_updates, self.dtype, c.model.gradient_checkpointing, c.trainer.seed
         )

@@ -100,10 +100,10 @@ def _rank(rank: int, world: int, strategy: str, megatron: MegatronConfig | None,
     else:
         from transformers import AutoConfig
 
-        from ketch.engine.megatron.engine import MegatronEngine
+        from ketch.engine.megatron.engine import MegatronEngine, hf_reader
 
         hf_config = AutoConfig.from_pretrained(model_dir)
-        engine = MegatronEngine(hf_config, model_dir, megatron, device, optim, dtype=torch.bfloat16)
+        engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, device, optim, dtype=torch.bfloat16)
     data = batch()
     log_probs = engine.infer(data, MICRO, calc_entropy=True)
     metrics = engine.train_mini_batch(data.split(MICRO), pg_loss_fn)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from ketch.engine.megatron.weights import (
     Parallel,
     chunk_names,
     hf_to_megatron_chunk,
-    kind_of,
     to_hf,
     unshard,
 )
@@ -85,12 +84,13 @@ def hf_reader(model_path: str):
 
 
 class MegatronEngine:
-    """This rank's GPTModel chunks (policy head: log-probs and entropy) with (optionally) AdamW."""
+    """This rank's GPTModel chunks with (optionally) AdamW: a policy (outputs `log_prob`, `entropy`) or, with
+    `value_head`, a critic (`values`). `read(name)` gives the HF tensor `name` (see `hf_reader`)."""
 
     def __init__(
         self,
         hf_config: Any,
-        model_path: str,
+        read: Callable[[str], torch.Tensor],
         megatron: MegatronConfig,
         device: torch.device,
         optim: OptimConfig | None = None,
@@ -98,10 +98,11 @@ class MegatronEngine:
         dtype: torch.dtype = torch.float32,
         gradient_checkpointing: bool = False,
         seed: int = 0,
+        value_head: bool = False,
     ):
         init_model_parallel(megatron, seed)
         self.hf_config, self.device, self.optim_config = hf_config, device, optim
-        self.shape = ModelShape.from_hf(hf_config)
+        self.shape = ModelShape.from_hf(hf_config, value_head)
         self.parallel = Parallel(
             megatron.tensor_model_parallel_size,
             megatron.pipeline_model_parallel_size,
@@ -109,8 +110,7 @@ class MegatronEngine:
         )
         self.config = transformer_config(hf_config, megatron, dtype, gradient_checkpointing)
         self.pp_rank, self.tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
-        self.chunks = build_chunks(hf_config, self.config, self.pp_rank)
-        read = hf_reader(model_path)
+        self.chunks = build_chunks(hf_config, self.config, self.pp_rank, value_head)
         for vp_stage, chunk in enumerate(self.chunks):
             state = hf_to_megatron_chunk(read, self.shape, self.parallel, (self.pp_rank, vp_stage, self.tp_rank))
             missing, unexpected = chunk.load_state_dict(state, strict=False)
@@ -163,7 +163,12 @@ class MegatronEngine:
         return out, partial(self._last_stage, step_fn, micro)
 
     def _last_stage(self, step_fn, micro: DataProto, logits: torch.Tensor):
-        loss, info = step_fn(self._policy_outputs(logits, micro), micro)
+        if self.shape.value_head:  # [batch, seq, 1]: the value of each response token from the state before it
+            response_len = micro.batch["responses"].shape[-1]
+            outputs = {"values": logits[:, -response_len - 1 : -1, 0].float()}
+        else:
+            outputs = self._policy_outputs(logits, micro)
+        loss, info = step_fn(outputs, micro)
         return loss, torch.ones((), dtype=torch.int, device=logits.device), info
 
     def _policy_outputs(self, logits: torch.Tensor, micro: DataProto) -> dict[str, torch.Tensor]:
@@ -194,7 +199,7 @@ class MegatronEngine:
         padded, _ = pad_to_divisor(data, size)
         micros = padded.split(size)
         store = self._run(micros, lambda out, micro: (torch.zeros((), device=self.device), out), forward_only=True)
-        keys = ["log_prob"] + (["entropy"] if self.calc_entropy else [])
+        keys = ["values"] if self.shape.value_head else ["log_prob"] + (["entropy"] if self.calc_entropy else [])
         shape = (len(padded), data.batch["responses"].shape[-1])
         outputs = {}
         for key in keys:
@@ -322,7 +327,7 @@ class MegatronEngine:
         shape = self.shape.full_shape(name)
         if self.pp_rank == pp_rank:
             piece = self.chunks[vp_stage].state_dict()[local].detach()
-            kind = kind_of(name)
+            kind = self.shape.kind(name)
             if self.parallel.tp > 1 and kind != "replicated":
                 pieces = [torch.empty_like(piece) for _ in range(self.parallel.tp)]
                 dist.all_gather(pieces, piece.contiguous(), group=mpu.get_tensor_model_parallel_group())

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 
 from ketch.config.schema import MegatronConfig
@@ -75,8 +76,23 @@ def transformer_config(
     )
 
 
-def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights."""
+class ValueHead(torch.nn.Linear):
+    """A critic's scalar head in the output layer's place (called like it): replicated over tensor ranks, so
+    with sequence parallelism the positions are gathered first. Parameters `output_layer.{weight,bias}`."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__(hidden_size, 1)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return super().forward(hidden_states), None
+
+
+def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_head: bool = False) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights;
+    `value_head`: a critic, whose last chunk ends in a `ValueHead`."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     models = []
@@ -89,10 +105,12 @@ def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int) -> lis
                 max_sequence_length=hf_config.max_position_embeddings,
                 pre_process=pp_rank == 0 and vp_stage == 0,
                 post_process=pp_rank == pp - 1 and vp_stage == chunks - 1,
-                share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+                share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not value_head,
                 position_embedding_type="rope",
                 vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None,
                 **rope_settings(hf_config),
             )
         )
+    if value_head and models[-1].post_process:
+        models[-1].output_layer = ValueHead(config.hidden_size, config.sequence_parallel)
     return models

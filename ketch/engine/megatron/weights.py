@@ -46,6 +46,9 @@ LAYER = {
 }
 """Megatron name within a layer -> the HF names (under `model.layers.{i}.`) fused into it, in order."""
 
+VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
+"""A critic's output layer -> the HF `*ForTokenClassification` head."""
+
 KINDS: dict[str, Kind] = {
     "embedding.word_embeddings.weight": "column",
     "output_layer.weight": "column",
@@ -75,10 +78,13 @@ class ModelShape:
     hidden: int = 0
     ffn: int = 0
     vocab: int = 0
+    value_head: bool = False
+    """A critic: the output layer is the scalar head `score` (weight `[1, hidden]`, bias `[1]`), replicated."""
 
     @classmethod
-    def from_hf(cls, config: Any) -> ModelShape:
-        """Read an HF config; raises `UnsupportedModelError` for what the local Megatron spec cannot express."""
+    def from_hf(cls, config: Any, value_head: bool = False) -> ModelShape:
+        """Read an HF config (`value_head`: of a `*ForTokenClassification` critic); raises `UnsupportedModelError`
+        for what the local Megatron spec cannot express."""
         kind = config.model_type
         if kind not in ("llama", "qwen2"):
             raise UnsupportedModelError(f"strategy=megatron maps Llama and Qwen2 models, not model_type={kind!r}")
@@ -90,16 +96,23 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            tied=bool(config.tie_word_embeddings),
+            tied=bool(config.tie_word_embeddings) and not value_head,
             qkv_bias=kind == "qwen2",
             hidden=config.hidden_size,
             ffn=config.intermediate_size,
             vocab=config.vocab_size,
+            value_head=value_head,
         )
+
+    def kind(self, megatron_name: str) -> Kind:
+        """How `megatron_name` is split over tensor-parallel ranks (a critic's scalar head is replicated)."""
+        return "replicated" if self.value_head and megatron_name in VALUE_HEAD else kind_of(megatron_name)
 
     def full_shape(self, megatron_name: str) -> tuple[int, ...]:
         """Shape of the full (TP=1) Megatron tensor `megatron_name` (global or per-layer name)."""
         qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if self.value_head and megatron_name in VALUE_HEAD:
+            return (1, self.hidden) if megatron_name.endswith("weight") else (1,)
         shapes = {
             "embedding.word_embeddings.weight": (self.vocab, self.hidden),
             "output_layer.weight": (self.vocab, self.hidden),
@@ -189,18 +202,25 @@ def to_megatron(megatron_name: str, layer: int | None, get_hf: Callable[[str], t
     """The full Megatron tensor `megatron_name` (a per-layer name when `layer` is given), read from HF tensors
     by name through `get_hf`."""
     if layer is None:
-        hf_name = "model.embed_tokens.weight" if megatron_name == "output_layer.weight" and shape.tied else None
-        return get_hf(hf_name or GLOBAL[megatron_name])
+        return get_hf(_global_hf_name(megatron_name, shape))
     parts = [get_hf(f"model.layers.{layer}.{name}") for name in LAYER[megatron_name]]
     if megatron_name.startswith("self_attention.linear_qkv"):
         return fuse_qkv(*parts, shape)
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+def _global_hf_name(megatron_name: str, shape: ModelShape) -> str:
+    if shape.value_head and megatron_name in VALUE_HEAD:
+        return VALUE_HEAD[megatron_name]
+    if megatron_name == "output_layer.weight" and shape.tied:
+        return "model.embed_tokens.weight"
+    return GLOBAL[megatron_name]
+
+
 def to_hf(megatron_name: str, layer: int | None, tensor: torch.Tensor, shape: ModelShape):
     """(HF name, tensor) pairs of one full Megatron tensor (global name, or per-layer name with its global layer)."""
     if layer is None:
-        return [(GLOBAL[megatron_name], tensor)]
+        return [(_global_hf_name(megatron_name, shape), tensor)]
     names = [f"model.layers.{layer}.{name}" for name in LAYER[megatron_name]]
     if megatron_name.startswith("self_attention.linear_qkv"):
         return list(zip(names, split_qkv(tensor, shape), strict=True))
@@ -221,6 +241,8 @@ def chunk_names(
         yield "decoder.final_layernorm.weight", "decoder.final_layernorm.weight", None
         if not shape.tied or not parallel.is_first(pp_rank, vp_stage):
             yield "output_layer.weight", "output_layer.weight", None
+        if shape.value_head:
+            yield "output_layer.bias", "output_layer.bias", None
 
 
 def hf_to_megatron_chunk(
@@ -229,7 +251,7 @@ def hf_to_megatron_chunk(
     """The state dict of one model chunk (`coord`), reading only the HF tensors it needs through `get_hf`."""
     pp_rank, vp_stage, tp_rank = coord
     return {
-        local: shard(to_megatron(name, layer, get_hf, shape), kind_of(name), parallel.tp, tp_rank)
+        local: shard(to_megatron(name, layer, get_hf, shape), shape.kind(name), parallel.tp, tp_rank)
         for local, name, layer in chunk_names(shape, parallel, pp_rank, vp_stage)
     }
 
@@ -248,5 +270,5 @@ def megatron_to_hf(chunks: dict[Coord, dict[str, torch.Tensor]], shape: ModelSha
                 if name == "output_layer.weight" and shape.tied:
                     continue
                 pieces = [chunks[(pp_rank, vp_stage, t)][local] for t in range(parallel.tp)]
-                hf.update(to_hf(name, layer, unshard(pieces, kind_of(name)), shape))
+                hf.update(to_hf(name, layer, unshard(pieces, shape.kind(name)), shape))
     return hf
