@@ -83,8 +83,9 @@ def pg_loss_fn(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: 
 
 
 def _rank(rank: int, world: int, strategy: str, megatron: MegatronConfig | None, model_dir: str, out: str) -> None:
+    port = 29641 if megatron is None else 29642 + megatron.pipeline_model_parallel_size
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from ketch.engine.distributed import init_process_group
 
     device = torch.device("cuda", rank)
@@ -117,14 +118,20 @@ def run(strategy: str, world: int, model_dir: Path, out: Path, megatron: Megatro
     return torch.load(out / f"{strategy}.pt", weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def fsdp_run(model_dir, tmp_path_factory):
+    """The FSDP engine on one GPU: log-probs and the first update's metrics."""
+    return run("fsdp", 1, model_dir, tmp_path_factory.mktemp("fsdp"))
+
+
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize(
     "megatron",
     [MegatronConfig(tensor_model_parallel_size=2), MegatronConfig(pipeline_model_parallel_size=2)],
     ids=["tp2", "pp2"],
 )
-def test_first_update_agrees_with_fsdp(model_dir, tmp_path, megatron):
-    fsdp_lp, fsdp = run("fsdp", 1, model_dir, tmp_path)
+def test_first_update_agrees_with_fsdp(model_dir, fsdp_run, tmp_path, megatron):
+    fsdp_lp, fsdp = fsdp_run
     mega_lp, mega = run("megatron", 2, model_dir, tmp_path, megatron)
     mask = batch().batch["response_mask"].bool()
     diff = (mega_lp["log_prob"] - fsdp_lp["log_prob"])[mask].abs()
