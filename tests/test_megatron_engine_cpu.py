@@ -166,6 +166,15 @@ def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, world, layers,
         if exported is not None:
             assert exported.keys() == weights.keys()
             assert all(torch.equal(exported[k], weights[k]) for k in weights)
+    # `ketch export`'s merge of the checkpoint (written before the update) on the CPU, without a process group
+    from transformers import AutoConfig
+
+    from ketch.engine.export import load_checkpoint_state
+
+    AutoConfig.from_pretrained(model_dir).save_pretrained(tmp_path / "ckpt" / "hf")
+    merged = load_checkpoint_state(tmp_path / "ckpt")
+    assert merged.keys() == weights.keys() - {"lm_head.weight"}  # tied: written once, as the embedding
+    assert all(torch.equal(merged[k], weights[k]) for k in merged)
 
 
 def value_loss(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
