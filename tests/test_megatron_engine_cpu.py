@@ -1,6 +1,7 @@
 """The Megatron engine on CPU processes (gloo) against a plain HF model: log-probs, entropy, the first update's
-loss and gradient norm, the log-probs after the step, the HF export and a checkpoint round trip, for
-tensor parallelism, and for interleaved pipeline parallelism with tied embeddings.
+loss and gradient norm, the log-probs after the step, the HF export and a checkpoint round trip, for tensor
+and sequence parallelism over two data-parallel ranks, and for interleaved pipeline parallelism (tied
+embeddings).
 
 Megatron-Core hard-wires CUDA in a few places that do no arithmetic: buffer and RNG-tracker placement
 (`torch.cuda.current_device`, the CUDA RNG tracker's fork), a tied embedding's first sync (`Tensor.cuda`),
@@ -139,10 +140,10 @@ def reference(model_dir: Path) -> tuple[dict, float, float, torch.Tensor, dict]:
 @pytest.mark.parametrize(
     ("megatron", "world", "layers", "port"),
     [
-        (MegatronConfig(tensor_model_parallel_size=2), 4, 2, 29621),  # TP 2 x DP 2
+        (MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2, 29621),  # TP 2 x DP 2
         (MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2, 4, 29622),
     ],
-    ids=["tp2-dp2", "pp2-vpp2"],
+    ids=["tp2-sp-dp2", "pp2-vpp2"],
 )
 def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, world, layers, port):
     sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": layers, "max_positions": 64}

@@ -1,11 +1,12 @@
 """An HF Llama/Qwen2 config as a Megatron-Core `TransformerConfig` and the `GPTModel` chunks of this rank.
 
-Only Megatron-Core's own modules are used (the local layer spec: torch RMSNorm, Megatron's dot-product
-attention), so neither Transformer Engine nor Apex is needed.
+Only Megatron-Core's own modules are used (its local layer spec: Megatron's dot-product attention, with the
+torch RMSNorm below), so neither Transformer Engine nor Apex is needed.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from ketch.config.schema import MegatronConfig
 from ketch.engine.megatron.weights import ModelShape, UnsupportedModelError
@@ -90,17 +92,34 @@ class ValueHead(torch.nn.Linear):
         return super().forward(hidden_states), None
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as Megatron builds its norms. It acts position by position, so it runs on
+    sequence-parallel activations as well (Megatron's own torch wrapper refuses them); its weight is then
+    flagged `sequence_parallel` so that the engine sums its gradient over the tensor ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: Any):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None) -> TransformerBlockSubmodules:
+    """The local layer spec with `RMSNorm` before attention, before the MLP and after the last layer."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=RMSNorm)
+
+
 def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_head: bool = False) -> list[GPTModel]:
     """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights;
     `value_head`: a critic, whose last chunk ends in a `ValueHead`."""
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     models = []
     for vp_stage in range(chunks):
         models.append(
             GPTModel(
                 config,
-                spec,
+                block_spec(config, pp_rank, vp_stage if config.virtual_pipeline_model_parallel_size else None),
                 vocab_size=hf_config.vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings,
                 pre_process=pp_rank == 0 and vp_stage == 0,
