@@ -104,13 +104,13 @@ def _rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port:
     engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, torch.device("cpu"), optim, seed=0)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = batch(hf_config.vocab_size).chunk(dp_size)[dp_rank]
-    before = engine.infer(mine, 1, calc_entropy=True)
+    before = engine.infer(mine, 3, calc_entropy=True)  # uneven micro-batches (3 + 1 rows) where 4 rows
     exported = dict(engine.full_parameters(dtype=torch.float32))
     engine.save_checkpoint(Path(out) / "ckpt", {"update_count": 0})
-    metrics = engine.train_mini_batch(mine.split(1), policy_loss)
+    metrics = engine.train_mini_batch(mine.split(3), policy_loss)  # uneven: the pipeline pads with loss-free rows
     after = engine.infer(mine, 2)["log_prob"]
     restored = engine.load_checkpoint(Path(out) / "ckpt")
-    again = engine.infer(mine, 2)["log_prob"]
+    again = engine.infer(mine, None)["log_prob"]  # one micro-batch (the interleaved schedule gets a filler)
     result = (dp_rank, before, metrics, after, torch.equal(again, before["log_prob"]), restored)
     torch.save((*result, exported if rank == 0 else None), f"{out}/{rank}.pt")
     torch.distributed.destroy_process_group()

@@ -40,8 +40,9 @@ from ketch.engine.megatron.weights import (
     to_hf,
     unshard,
 )
+from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler
-from ketch.protocol import DataProto, pad_to_divisor
+from ketch.protocol import DataProto
 
 logger = logging.getLogger("ketch.engine")
 
@@ -195,17 +196,29 @@ class MegatronEngine:
         self._forward_kwargs(**kwargs)
         for chunk in self.chunks:
             chunk.eval()
-        size = min(micro_batch_size or len(data), len(data))
-        padded, _ = pad_to_divisor(data, size)
-        micros = padded.split(size)
-        store = self._run(micros, lambda out, micro: (torch.zeros((), device=self.device), out), forward_only=True)
+        micros = split_micro_batches(data, micro_batch_size, max_tokens)
+        real = [len(m) for m in micros]
+        store = self._run(self._schedulable(micros), self._outputs_only, forward_only=True)
         keys = ["values"] if self.shape.value_head else ["log_prob"] + (["entropy"] if self.calc_entropy else [])
-        shape = (len(padded), data.batch["responses"].shape[-1])
         outputs = {}
         for key in keys:
-            value = torch.cat([s[key] for s in store]) if self.is_last_stage else None
-            outputs[key] = self._from_last_stage(value, shape)[: len(data)]
+            kept = [s[key][:n] for s, n in zip(store, real, strict=False)]  # fillers come after the real rows
+            value = torch.cat(kept) if self.is_last_stage else None
+            outputs[key] = self._from_last_stage(value, (len(data), data.batch["responses"].shape[-1]))
         return outputs
+
+    def _schedulable(self, micros: list[DataProto]) -> list[DataProto]:
+        """What Megatron's schedules need: pipeline stages exchange fixed-shape activations, so every micro-batch
+        gets the largest one's row count; the interleaved schedule also needs a multiple of the pipeline size
+        of micro-batches. The padding is rows (and micro-batches) without loss, in order after the real ones."""
+        rows = max(len(m) for m in micros)
+        micros = [DataProto.concat([m, _no_loss(m, rows - len(m))]) if len(m) < rows else m for m in micros]
+        if self.parallel.vpp:
+            micros += [_no_loss(micros[0], rows)] * (-len(micros) % self.parallel.pp)
+        return micros
+
+    def _outputs_only(self, outputs: dict[str, torch.Tensor], micro: DataProto):
+        return torch.zeros((), device=self.device), outputs
 
     def _from_last_stage(self, value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         if self.parallel.pp == 1:
@@ -239,7 +252,7 @@ class MegatronEngine:
                 k: torch.as_tensor(v, dtype=torch.float32, device=self.device).detach() for k, v in metrics.items()
             }
 
-        store = self._run(_equal_rows(micro_batches), step, forward_only=False)
+        store = self._run(self._schedulable(micro_batches), step, forward_only=False)
         totals = self._sum_metrics(store)
         return totals | self._step()
 
@@ -375,16 +388,8 @@ class MegatronEngine:
         return state
 
 
-def _equal_rows(micros: list[DataProto]) -> list[DataProto]:
-    """Pipeline schedules send fixed-shape activations: pad every micro-batch to the largest one's row count
-    with rows that carry no loss (response_mask 0)."""
-    rows = max(len(m) for m in micros)
-    out = []
-    for micro in micros:
-        pad = rows - len(micro)
-        if pad:
-            filler = micro[:1].reorder(torch.zeros(pad, dtype=torch.long))
-            filler.batch["response_mask"] = torch.zeros_like(filler.batch["response_mask"])
-            micro = DataProto.concat([micro, filler])
-        out.append(micro)
-    return out
+def _no_loss(micro: DataProto, rows: int) -> DataProto:
+    """`rows` copies of the micro-batch's first row with an empty response mask: they carry no loss or metric."""
+    filler = micro[:1].reorder(torch.zeros(rows, dtype=torch.long))
+    filler.batch["response_mask"] = torch.zeros_like(filler.batch["response_mask"])
+    return filler
