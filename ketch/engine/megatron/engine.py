@@ -211,6 +211,8 @@ class MegatronEngine:
         """What Megatron's schedules need: pipeline stages exchange fixed-shape activations, so every micro-batch
         gets the largest one's row count; the interleaved schedule also needs a multiple of the pipeline size
         of micro-batches. The padding is rows (and micro-batches) without loss, in order after the real ones."""
+        if self.parallel.pp == 1:
+            return micros
         rows = max(len(m) for m in micros)
         micros = [DataProto.concat([m, _no_loss(m, rows - len(m))]) if len(m) < rows else m for m in micros]
         if self.parallel.vpp:
