@@ -21,8 +21,14 @@ def test_grpo_with_tensor_parallel_actor_trains_and_exports(tiny_model_dir, task
     from ketch.config import load_config
     from ketch.trainer.ppo import PPOTrainer
 
+    # the random tiny model never solves the task: reward the response length instead, so advantages vary
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n    return len(solution_str) % 3\n"
+    )
     config = load_config(
         overrides=[
+            f"reward.function={reward}:score",
             f"model.path={tiny_model_dir}",
             f"data.train_files=[{task_files['train']}]",
             "data.val_files=[]",
