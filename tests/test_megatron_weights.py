@@ -119,7 +119,8 @@ def test_qkv_shard_shape_of_a_gqa_layer():
 
 
 def test_transformer_config_carries_the_hf_settings():
-    from ketch.engine.megatron.model import rope_settings, transformer_config
+    from ketch.engine.megatron.model import transformer_config
+    from ketch.engine.megatron.weights import rope_settings
 
     config = Qwen2Config(**SIZES, num_key_value_heads=2, vocab_size=64, rms_norm_eps=1e-5, rope_theta=1e6)
     mc = transformer_config(config, MegatronConfig(tensor_model_parallel_size=2), torch.bfloat16)
@@ -146,6 +147,12 @@ def test_transformer_config_carries_the_hf_settings():
 
 
 def test_unmapped_architectures_are_refused_by_name():
+    from ketch.config import ConfigError
+    from ketch.engine.megatron.weights import check_supported
+
+    assert issubclass(UnsupportedModelError, ConfigError)  # `ketch train: error: ...`, exit 2, at start-up
+    with pytest.raises(UnsupportedModelError, match=r"RoPE scaling \{'rope_type': 'yarn'"):
+        check_supported(LlamaConfig(**SIZES, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
         ModelShape.from_hf(type("C", (), {"model_type": "gpt2"})())
     with pytest.raises(UnsupportedModelError, match="attention_bias"):

@@ -24,9 +24,10 @@ from ketch.algorithms import (
 )
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
-from ketch.config.parallel import check_megatron_start
+from ketch.config.parallel import check_megatron_start, megatron_roles
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
+from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
@@ -49,6 +50,8 @@ class PPOTrainer(TrainingLoop):
         self.model_path = resolve_model_path(c)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
         check_megatron_start(c, model_config, torch.cuda.is_available())
+        if megatron_roles(c):
+            check_supported(model_config)
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None

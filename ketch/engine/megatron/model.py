@@ -18,22 +18,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from ketch.config.schema import MegatronConfig
-from ketch.engine.megatron.weights import ModelShape, UnsupportedModelError
-
-LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-"""The Llama 3.1 RoPE scaling Megatron-Core implements (only its `factor` is a parameter there)."""
-
-
-def rope_settings(hf_config: Any) -> dict[str, Any]:
-    """`GPTModel` RoPE arguments: base (theta) and Llama 3.1 scaling; other scalings are refused."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return {"rotary_base": theta, "rope_scaling": False}
-    if kind == "llama3" and all(params.get(k, v) == v for k, v in LLAMA3_ROPE_DEFAULTS.items()):
-        return {"rotary_base": theta, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
-    raise UnsupportedModelError(f"strategy=megatron does not map the model's RoPE scaling {params}")
+from ketch.engine.megatron.weights import ModelShape, rope_settings
 
 
 def transformer_config(

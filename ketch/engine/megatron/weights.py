@@ -1,6 +1,8 @@
-"""Hugging Face Llama/Qwen2 weights ↔ Megatron-Core GPTModel (local layer spec) weights, sharded by rank.
+"""Hugging Face Llama/Qwen2 weights ↔ Megatron-Core GPTModel (local layer spec) weights, sharded by rank, and
+what of an HF config the mapping needs (shape, RoPE) or cannot express.
 
-Pure tensor bookkeeping (no megatron import), so it is tested on a CPU. Megatron differs from HF in four ways:
+Pure tensor bookkeeping (no megatron import), so it is tested on a CPU and checked at start-up. Megatron
+differs from HF in four ways:
 
 - **Fused QKV.** `linear_qkv` stacks, for each key/value group g, that group's query heads, then its key head,
   then its value head: rows `[q_g0 .. q_g(h/G-1), k_g, v_g] x head_dim` for g = 0..G-1 (G = key/value heads).
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from ketch.config.loader import ConfigError
 
 Kind = Literal["column", "row", "gated", "replicated"]
 Coord = tuple[int, int, int]
@@ -61,7 +65,7 @@ KINDS: dict[str, Kind] = {
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ConfigError):
     """An HF model whose architecture or settings the Megatron adapter does not map."""
 
 
@@ -126,6 +130,28 @@ class ModelShape:
             "mlp.linear_fc2.weight": (self.hidden, self.ffn),
         }
         return shapes[megatron_name]
+
+
+LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The Llama 3.1 RoPE scaling Megatron-Core implements (only its `factor` is a parameter there)."""
+
+
+def rope_settings(hf_config: Any) -> dict[str, Any]:
+    """`GPTModel` RoPE arguments: base (theta) and Llama 3.1 scaling; other scalings are refused."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return {"rotary_base": theta, "rope_scaling": False}
+    if kind == "llama3" and all(params.get(k, v) == v for k, v in LLAMA3_ROPE_DEFAULTS.items()):
+        return {"rotary_base": theta, "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
+    raise UnsupportedModelError(f"strategy=megatron does not map the model's RoPE scaling {params}")
+
+
+def check_supported(hf_config: Any) -> None:
+    """Raise `UnsupportedModelError` (a `ConfigError`) at start-up for a model the adapter cannot map."""
+    ModelShape.from_hf(hf_config)
+    rope_settings(hf_config)
 
 
 @dataclass(frozen=True)
