@@ -1,6 +1,6 @@
-"""`ActorRolloutRefWorker`: the hybrid engine. One process holds the FSDP actor, the rollout engine and,
-when KL is used, the frozen reference policy; after each update the actor's weights go to the rollout
-in memory."""
+"""`ActorRolloutRefWorker`: the hybrid engine. One process holds the actor (FSDP2 or Megatron engine), the
+rollout engine and, when KL is used, the frozen reference policy; after each update the actor's weights go
+to the rollout in memory."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`CriticWorker`: the FSDP value model: per-token values and the clipped value-loss update."""
+"""`CriticWorker`: the value model (FSDP2 or Megatron engine): per-token values and the clipped value-loss update."""
 
 from __future__ import annotations
 
