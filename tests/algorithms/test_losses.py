@@ -167,8 +167,8 @@ def test_entropy_is_stable_for_huge_logits():
 def test_vanilla_policy_loss_is_policy_loss_called_with_keyword_settings():
     old, new = ratios(1.5, 0.5)
     advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
-    settings = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "gspo_clip_ratio_low": 3e-4, "loss_agg_mode": "token-mean"}
-    loss, metrics = get_policy_loss("vanilla")(old, new, advantages, mask, **settings)
+    settings = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "gspo_clip_ratio_low": 3e-4, "num_seqs": None}
+    loss, _ = get_policy_loss("vanilla")(old, new, advantages, mask, **settings)
     assert_close(loss, policy_loss(old, new, advantages, mask, 0.2, 0.28)[0])
     assert_close(loss, torch.tensor((-1.28 + 0.8) / 2))
 
