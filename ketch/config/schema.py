@@ -155,18 +155,37 @@ class ActorConfig:
     """PPO clip range above 1 (DAPO's clip-higher when larger than clip_ratio_low)."""
     clip_ratio_c: float | None = None
     """Dual-clip bound for negative advantages (Ye et al. 2020); None disables dual clip."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla (PPO clip), gspo (sequence-level ratio, https://arxiv.org/abs/2507.18071), gspo_token,
+    cispo (clipped, detached importance weight, https://arxiv.org/abs/2506.13585), or any registered one."""
+    gspo_clip_ratio_low: float = 3e-4
+    """GSPO's clip range below 1 of the length-normalised sequence ratio (the paper's 3e-4)."""
+    gspo_clip_ratio_high: float = 4e-4
+    """GSPO's clip range above 1 of the length-normalised sequence ratio (the paper's 4e-4)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    """How per-token losses are reduced (token-mean is global over the mini-batch's valid tokens)."""
+    """How per-token losses are reduced (token-mean is global over the mini-batch's valid tokens);
+    seq-mean-token-sum-norm is Dr. GRPO's: each sequence's token sum / loss_scale_factor, mean over sequences."""
+    loss_scale_factor: int | None = None
+    """The constant of seq-mean-token-sum-norm (Dr. GRPO, https://arxiv.org/abs/2503.20783); None =
+    data.max_response_length, the generation budget, so the normalisation never changes during a run."""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling against the rollout engine's own log-probs (rollout_log_probs): weight each
+    token's loss by min(pi_old / pi_rollout, rollout_is_threshold) per token, or per sequence (product of the
+    token ratios); None disables. Forces the old-log-prob pass (actor.recompute_old_log_prob)."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of the truncated importance weights of actor.rollout_is."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus in the actor loss."""
     use_kl_loss: bool = False
     """Add KL(actor || reference) to the loss (GRPO style) instead of to the reward."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss when use_kl_loss."""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    """KL estimator of the KL loss."""
+    kl_loss_type: Literal[
+        "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"
+    ] = "low_var_kl"
+    """KL estimator of the KL loss; a `+` kind keeps its value with the unbiased gradient of k2 (straight-through)."""
 
 
 @dataclass(frozen=True)

@@ -116,4 +116,29 @@ def _reward_sources(c: KetchConfig) -> str | None:
     return None
 
 
+def _registered_algorithms(c: KetchConfig) -> str | None:
+    # ketch.algorithms imports no other ketch module, so the registries can be asked at load time
+    from ketch.algorithms import get_adv_estimator, get_policy_loss
+
+    for key, lookup, name in (
+        ("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator),
+        ("actor.policy_loss", get_policy_loss, c.actor.policy_loss),
+    ):
+        try:
+            lookup(name)
+        except ValueError as err:
+            return f"{key}={name}: {err}"
+    return None
+
+
+def _rollout_is(c: KetchConfig) -> str | None:
+    a = c.actor
+    if a.rollout_is is not None and a.recompute_old_log_prob is False:
+        return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
+    if a.rollout_is_threshold <= 0:
+        return f"actor.rollout_is_threshold={a.rollout_is_threshold} must be > 0"
+    return None
+
+
 _CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
+_CHECKS += (_registered_algorithms, _rollout_is)

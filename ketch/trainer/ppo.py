@@ -169,7 +169,9 @@ class PPOTrainer(TrainingLoop):
     def _for_update(self, batch: DataProto) -> DataProto:
         """Only what the actor update reads travels to the workers."""
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
-        optional = ["old_log_prob"] + (["ref_log_prob"] if self.config.actor.use_kl_loss else [])
+        a = self.config.actor
+        optional = ["old_log_prob"] + (["ref_log_prob"] if a.use_kl_loss else [])
+        optional += ["rollout_log_probs"] if a.rollout_is is not None else []
         keys += [k for k in optional if k in batch.batch]
         return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty
+from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
@@ -32,6 +32,8 @@ class ActorRolloutRefWorker(Worker):
         super().__init__()
         self.config, self.model_path, self.plan, self.total_updates = config, model_path, plan, total_updates
         self.update_count = 0
+        # the constant of seq-mean-token-sum-norm (Dr. GRPO): the same for every micro-batch of the run
+        self.norm_constant = config.actor.loss_scale_factor or config.data.max_response_length
 
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
@@ -130,19 +132,9 @@ class ActorRolloutRefWorker(Worker):
 
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
         a, b = self.config.actor, micro.batch
-        mask, counts = b["response_mask"], {"num_tokens": num_tokens, "num_seqs": num_seqs}
-        old_log_prob = b["old_log_prob"] if "old_log_prob" in b else out["log_prob"].detach()  # on-policy: ratio 1
-        pg_loss, pg = get_policy_loss("vanilla")(
-            old_log_prob,
-            out["log_prob"],
-            b["advantages"],
-            mask,
-            a.clip_ratio_low,
-            a.clip_ratio_high,
-            a.clip_ratio_c,
-            a.loss_agg_mode,
-            **counts,
-        )
+        mask = b["response_mask"]
+        counts = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_constant": self.norm_constant}
+        pg_loss, pg = self._policy_loss(out, b, counts)
         share = token_share(micro, num_tokens)
         metrics = {"pg_loss": pg_loss.detach()} | {k: v.detach() * share for k, v in pg.items()}
         if "old_log_prob" not in b:
@@ -158,6 +150,33 @@ class ActorRolloutRefWorker(Worker):
             )
             loss = loss + a.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
+        return loss, metrics
+
+    def _policy_loss(self, out: dict, b: dict, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The registered `actor.policy_loss`, with truncated importance weights when `actor.rollout_is` is set."""
+        a, mask = self.config.actor, b["response_mask"]
+        old_log_prob = b["old_log_prob"] if "old_log_prob" in b else out["log_prob"].detach()  # on-policy: ratio 1
+        weights = None
+        if a.rollout_is is not None:
+            weights = rollout_is_weights(
+                old_log_prob, b["rollout_log_probs"], mask, a.rollout_is, a.rollout_is_threshold
+            )
+        loss, metrics = get_policy_loss(a.policy_loss)(
+            old_log_prob,
+            out["log_prob"],
+            b["advantages"],
+            mask,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            gspo_clip_ratio_low=a.gspo_clip_ratio_low,
+            gspo_clip_ratio_high=a.gspo_clip_ratio_high,
+            loss_agg_mode=a.loss_agg_mode,
+            rollout_is_weights=weights,
+            **counts,
+        )
+        if weights is not None:
+            metrics["rollout_is_weight_mean"] = masked_mean(weights, mask)
         return loss, metrics
 
     def _sync_rollout(self) -> float:
