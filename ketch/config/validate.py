@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.loader import ConfigError
+from ketch.config.parallel import megatron_problems
 from ketch.config.schema import KetchConfig
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -11,7 +12,7 @@ KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 def validate(config: KetchConfig) -> None:
     """Raise `ConfigError` naming the conflicting keys when `config` cannot run."""
-    problems = [p for check in _CHECKS if (p := check(config))]
+    problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config)
     for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
         try:
             derive_batch_plan(config, world_size=world)
@@ -115,4 +116,29 @@ def _reward_sources(c: KetchConfig) -> str | None:
     return None
 
 
+def _registered_algorithms(c: KetchConfig) -> str | None:
+    # ketch.algorithms imports no other ketch module, so the registries can be asked at load time
+    from ketch.algorithms import get_adv_estimator, get_policy_loss
+
+    for key, lookup, name in (
+        ("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator),
+        ("actor.policy_loss", get_policy_loss, c.actor.policy_loss),
+    ):
+        try:
+            lookup(name)
+        except ValueError as err:
+            return f"{key}={name}: {err}"
+    return None
+
+
+def _rollout_is(c: KetchConfig) -> str | None:
+    a = c.actor
+    if a.rollout_is is not None and a.recompute_old_log_prob is False:
+        return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
+    if a.rollout_is_threshold <= 0:
+        return f"actor.rollout_is_threshold={a.rollout_is_threshold} must be > 0"
+    return None
+
+
 _CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
+_CHECKS += (_registered_algorithms, _rollout_is)

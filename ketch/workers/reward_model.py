@@ -49,7 +49,7 @@ class RewardModelWorker(Worker):
         dtype = torch.float32 if training else resolve_dtype(m.dtype, self.device)
         model = load_reward_model(self.model_path, dtype, m.attn_implementation, m.trust_remote_code)
         self.hf_config = model.config
-        self.tokenizer = load_tokenizer(self.tokenizer_path, m.trust_remote_code)
+        self.tokenizer = load_tokenizer(self.tokenizer_path, m.trust_remote_code, self.model_path)
         mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         optim = c.reward.model.optim if training else None
         checkpointing = training and m.gradient_checkpointing
