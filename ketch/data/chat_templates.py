@@ -10,8 +10,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from jinja2 import TemplateError
 
 from ketch.data.values import to_python
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles a chat message may have (a template renders each as its model expects)."""
 
 CHAT_TEMPLATES: dict[str, str] = {
     "chatml": (
@@ -68,6 +72,10 @@ def to_messages(prompt: Any) -> list[dict[str, str]]:
                 f"message {i} of the prompt needs string fields 'role' and 'content'; "
                 f"{' and '.join(repr(k) for k in missing)} missing or not a string (message keys: {sorted(message)})"
             )
+        if message["role"] not in ROLES:
+            raise ValueError(
+                f"message {i} of the prompt has the unknown role {message['role']!r}; use one of: {', '.join(ROLES)}"
+            )
     return messages
 
 
@@ -95,4 +103,13 @@ def format_prompt(
             f"data.chat_template=chatml (or one of: {', '.join(CHAT_TEMPLATES)}), "
             "or data.apply_chat_template=false to join the message contents"
         )
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+    except TemplateError as err:
+        source = f"the built-in {chat_template!r}" if template else f"the tokenizer's ({tokenizer.name_or_path})"
+        raise ValueError(
+            f"chat template {source} fails on the prompt: {err}; change the messages to the form the template "
+            "expects, or set data.chat_template to one of: " + ", ".join(CHAT_TEMPLATES)
+        ) from None

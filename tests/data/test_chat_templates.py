@@ -3,7 +3,8 @@ import re
 import numpy as np
 import pytest
 
-from ketch.data import format_prompt, get_chat_template
+from ketch.config.schema import DataConfig
+from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, format_prompt, get_chat_template
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
 
@@ -92,3 +93,41 @@ def test_empty_message_list_is_rejected(tokenizer):
 def test_prompt_of_another_type_is_rejected(tokenizer):
     with pytest.raises(ValueError, match=re.escape("string or a list of {role, content} messages, got int")):
         format_prompt(5, tokenizer)
+
+
+def test_an_unknown_role_names_the_file_row_and_role(write_rows, tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}]}, {"prompt": [{"role": "bot", "content": "3"}]}]
+    path = write_rows(rows)
+    expected = f"{path}, row 1, column 'prompt': message 0 of the prompt has the unknown role 'bot'; use one of: system"
+    with pytest.raises(DatasetError, match=re.escape(expected)):
+        RLHFDataset(path, tokenizer, DataConfig())
+
+
+def test_a_template_that_fails_on_the_prompt_names_the_file_row_and_fix(write_rows, tokenizer):
+    tokenizer.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}x"
+    path = write_rows([{"prompt": MESSAGES}])
+    expected = f"{path}, row 0, column 'prompt': chat template the tokenizer's"
+    with pytest.raises(DatasetError, match=re.escape(expected) + ".*no system.*set data.chat_template to one of"):
+        RLHFDataset(path, tokenizer, DataConfig())
+
+
+LONG_CHAT = [*MESSAGES, {"role": "assistant", "content": "3"}, {"role": "user", "content": "2+2="}]
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama-3"])
+def test_dataset_prompts_are_the_tokenizers_chat_template_token_for_token(name, write_rows):
+    # The tokenizer's own template (no data.chat_template): its specials stay single tokens and the
+    # llama-3 template's <bos> is not doubled by the encoding.
+    specials = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+    tokenizer = build_char_tokenizer(extra_specials=specials, chat_template=name)
+    path = write_rows([{"prompt": MESSAGES}, {"prompt": LONG_CHAT}])
+    dataset = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=256))
+    for row, messages in enumerate([MESSAGES, LONG_CHAT]):
+        expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        assert dataset[row]["input_ids"].tolist() == expected
+    first = dataset[0]["input_ids"].tolist()
+    if name == "chatml":  # <|im_start|> is id 0: system turn first, then the user's
+        assert first[:8] == [0, *tokenizer.encode("system\n", add_special_tokens=False)]
+    else:  # one <bos>, then the system header
+        assert first[:2] == [tokenizer.bos_token_id, tokenizer.convert_tokens_to_ids("<|start_header_id|>")]
+        assert first.count(tokenizer.bos_token_id) == 1
