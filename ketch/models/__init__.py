@@ -11,12 +11,19 @@ from ketch.models.loader import (
     quiet_transformers,
     resolve_dtype,
 )
-from ketch.models.special_tokens import ensure_pad_token, generation_token_ids, stop_token_ids, turn_start_ids
+from ketch.models.special_tokens import (
+    ensure_eos_token,
+    ensure_pad_token,
+    generation_token_ids,
+    stop_token_ids,
+    turn_start_ids,
+)
 from ketch.models.tiny import build_tiny_model, save_tiny_model, tiny_qwen2_config
 
 __all__ = [
     "ModelLoadError",
     "build_tiny_model",
+    "ensure_eos_token",
     "ensure_pad_token",
     "generation_token_ids",
     "load_causal_lm",

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ketch.cache import cache_dir
 from ketch.models.loader import ModelLoadError, quiet_transformers
-from ketch.models.special_tokens import ensure_pad_token, turn_start_ids
+from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
 
 logger = logging.getLogger("ketch.models")
 
@@ -55,13 +55,13 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, dtype: torch.dtype 
             "gemma and a few more architectures"
         ) from err
     model = _plain_copy(loaded, dtype)
-    _fix_eos(tokenizer, end_ids)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     generation = GenerationConfig(
         bos_token_id=model.config.bos_token_id, eos_token_id=end_ids or [tokenizer.eos_token_id], pad_token_id=pad_id
     )
     generation.save_pretrained(out)
+    ensure_eos_token(tokenizer, str(out))
     ensure_pad_token(tokenizer, str(out))
     tokenizer.save_pretrained(out)
     return out
@@ -122,13 +122,3 @@ def _plain_copy(loaded: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     model.load_state_dict(loaded.state_dict(), assign=True)
     model.tie_weights()
     return model.to(dtype)
-
-
-def _fix_eos(tokenizer, end_ids: list[int]) -> None:
-    """Name the file's end-of-text token as the tokenizer's EOS when the converted tokenizer names another one
-    that opens a turn, or none (some transformers versions name `<|im_start|>`)."""
-    if not end_ids or (tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in turn_start_ids(tokenizer)):
-        return
-    eos = tokenizer.convert_ids_to_tokens(end_ids[0])
-    logger.info("the tokenizer converted from GGUF names EOS %r; using the file's EOS %r", tokenizer.eos_token, eos)
-    tokenizer.eos_token = eos

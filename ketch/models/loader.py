@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ketch.models.special_tokens import ensure_pad_token
+from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
 
 logger = logging.getLogger("ketch.models")
 
@@ -145,8 +145,8 @@ def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: 
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, model_path: str | None = None):
-    """The tokenizer at `path`, with left padding and a pad token that never opens a turn (see
-    `ensure_pad_token`; chosen with the generation config of `model_path`, default `path`)."""
+    """The tokenizer at `path`, with left padding and EOS and pad tokens that never open a turn (see
+    `ensure_eos_token` and `ensure_pad_token`; chosen with the generation config of `model_path`, default `path`)."""
     quiet_transformers()
     _check_path(path, "tokenizer")
     _check_tokenizer_files(path)
@@ -157,6 +157,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, model_path: str |
         raise ModelLoadError(f"cannot load a tokenizer from {path!r} ({where}): {err}") from err
     tokenizer = _as_saved(tokenizer, path)
     try:
+        ensure_eos_token(tokenizer, model_path or path)
         ensure_pad_token(tokenizer, model_path or path)
     except ValueError as err:
         raise ModelLoadError(str(err)) from err

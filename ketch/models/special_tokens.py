@@ -70,6 +70,22 @@ def turn_start_ids(tokenizer) -> set[int]:
     return ids
 
 
+def ensure_eos_token(tokenizer, model_path: str) -> None:
+    """Name the model's first generation-config EOS as the tokenizer's EOS when the tokenizer names none, or one
+    that opens a turn (a converted SmolLM2 tokenizer may name `<|im_start|>`): SFT and preference data end
+    responses with the tokenizer's EOS, which must be the token the model ends turns with. Logged once."""
+    starts = turn_start_ids(tokenizer)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in starts:
+        return
+    eos_ids = [i for i in generation_token_ids(model_path)[0] if i not in starts and i < len(tokenizer)]
+    if eos_ids:
+        was = tokenizer.eos_token
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
+        _say_once(
+            f"the tokenizer of {model_path} names EOS {was!r}; using the generation config's {tokenizer.eos_token!r}"
+        )
+
+
 def ensure_pad_token(tokenizer, model_path: str) -> None:
     """Give `tokenizer` a pad token when it has none (or has one that opens a turn), saying once which and why:
     the generation config's pad, else an EOS of the model (tokenizer's, then generation config's), else a new
