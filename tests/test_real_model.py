@@ -21,6 +21,7 @@ import torch
 from test_vllm import post, wait_until_healthy
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from ketch.cli import main
 from ketch.config import load_config
 from ketch.config.schema import DataConfig
 from ketch.data import RLHFDataset
@@ -48,10 +49,12 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def test_a_file_that_is_not_gguf_is_named_with_the_fix(tmp_path):
+def test_a_file_that_is_not_gguf_is_named_with_the_fix(tmp_path, capsys):
     (tmp_path / "model.gguf").write_text("not a model")
     with pytest.raises(ModelLoadError, match=f"{tmp_path / 'model.gguf'} is not a GGUF file.*pass a .gguf model"):
         convert_gguf(tmp_path / "model.gguf", tmp_path / "out")
+    assert main(["train", f"model.path={tmp_path / 'model.gguf'}", "trainer.device=cpu"]) == 2
+    assert f"ketch train: error: {tmp_path / 'model.gguf'} is not a GGUF file" in capsys.readouterr().err
     with pytest.raises(ModelLoadError, match="does not exist"):
         cached_gguf_model(tmp_path / "missing.gguf")
 
