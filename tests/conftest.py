@@ -113,7 +113,7 @@ def smollm2_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     validated greedily on 2 questions after step 2. Seconds per step on an idle 2-core CPU."""
     tmp = tmp_path_factory.mktemp("smollm2-run")
     questions = [("What is 2 + 3?", "5"), ("What is the capital of France?", "Paris")]
-    questions += [("How many legs does a dog have?", "4"), ("What is 10 - 7?", "3")]
+    questions += [("What is the capital of Italy?", "Rome"), ("What is 10 - 7?", "3")]
     rows = [{"prompt": [{"role": "user", "content": q}], "answer": a, "data_source": "qa"} for q, a in questions]
     pq.write_table(pa.Table.from_pylist(rows), tmp / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[:2]), tmp / "val.parquet")

@@ -168,12 +168,15 @@ def test_vllm_serves_the_export_and_answers_a_chat_request(smollm2_run, tmp_path
     )
     messages = QUESTIONS[0]
     try:
-        wait_until_healthy(port, server)
+        wait_until_healthy(port, server, timeout=600)
         request = {"model": str(export), "messages": messages, "max_tokens": 12, "temperature": 0}
         answer = post(f"http://127.0.0.1:{port}/v1/chat/completions", request)["choices"][0]["message"]["content"]
     finally:
         server.terminate()
-        server.wait(timeout=60)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
     tokenizer = load_tokenizer(str(export))
     ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)])
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
