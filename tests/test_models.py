@@ -70,8 +70,10 @@ def test_tokenizer_without_pad_token_uses_eos(tiny_model_dir, tmp_path, caplog):
     tokenizer = load_tokenizer(str(tiny_model_dir))
     tokenizer.pad_token = None
     tokenizer.save_pretrained(tmp_path / "tok")
-    with caplog.at_level(logging.WARNING, logger="ketch.models"):
+    with caplog.at_level(logging.INFO, logger="ketch.models"):
         loaded = load_tokenizer(str(tmp_path / "tok"))
     assert loaded.pad_token_id == loaded.eos_token_id == 1
     assert loaded.padding_side == "left"
-    assert "has no pad token; using its EOS token" in caplog.text
+    assert f"the tokenizer of {tmp_path / 'tok'} has no pad; padding with '<eos>' (an EOS token of the model)" in (
+        caplog.text
+    )
