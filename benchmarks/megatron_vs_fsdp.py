@@ -53,7 +53,7 @@ def train(name: str, s: dict, model: Path, data: Path, steps: int, root: Path, d
     rollout_tokens = trainer.actor_rollout.generate_sequences(prompts).batch["responses"]
     trainer._finish(metrics)  # writes the HF export to run_dir/model
     export_tokens = greedy_with_transformers(trainer.run_dir / "model", prompts, s["response_len"], device)
-    timed = curves[2:]
+    timed = curves[2:] or curves  # the first steps compile
     return {
         "run": name,
         "overrides": RUNS[name],

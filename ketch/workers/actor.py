@@ -224,7 +224,7 @@ class ActorRolloutRefWorker(Worker):
     def save_pretrained(self, out_dir: str, engine_config: dict | None = None) -> None:
         """Write the actor as a Hugging Face directory with its tokenizer, the run's stop tokens as EOS
         and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
-        state = gather_hf_state(self.actor)
+        state = gather_hf_state(self.actor, keep=self.rank == 0)
         if self.rank == 0:
             stops = stop_token_ids(self.tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)

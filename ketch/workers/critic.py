@@ -89,7 +89,7 @@ class CriticWorker(Worker):
     @register(ONE_TO_ALL)
     def save_pretrained(self, out_dir: str) -> None:
         """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label)."""
-        state = gather_hf_state(self.critic)
+        state = gather_hf_state(self.critic, keep=self.rank == 0)
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir)
 
