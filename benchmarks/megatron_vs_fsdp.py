@@ -90,7 +90,7 @@ def compare(rollout: torch.Tensor, export: torch.Tensor) -> dict:
 
 
 def agreement(a: dict, b: dict) -> dict:
-    """Curve differences of run `b` from run `a` (step 1 starts from identical weights and rollouts)."""
+    """Curves of runs `a` and `b` side by side ([a, b]) and their mean absolute difference per step."""
     out = {}
     for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
         xs, ys = [c[key] for c in a["curves"]], [c[key] for c in b["curves"]]
@@ -120,7 +120,7 @@ def main() -> None:
         results["runs"][name] = train(name, s, model, data, args.steps, root, device)
         out.with_name(f"{out.stem}_{name}.json").write_text(json.dumps(results["runs"][name], indent=1))
     first, *others = args.runs
-    results["agreement"] = {o: agreement(results["runs"][first], results["runs"][o]) for o in others}
+    results["agreement"] = {f"{o} vs {first}": agreement(results["runs"][first], results["runs"][o]) for o in others}
     out.write_text(json.dumps(results, indent=1))
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))
 
