@@ -326,22 +326,24 @@ class MegatronEngine:
         """(HF name, full tensor) of every weight, on every rank: tensor-parallel pieces are gathered and each
         pipeline stage broadcasts its layers, one tensor at a time (`prefix` is accepted for the FSDP engine's
         signature; names are already HF names). A tied embedding also comes as `lm_head.weight`."""
+        states = [chunk.state_dict() for chunk in self.chunks]  # views of the live weights, made once
         for pp_rank in range(self.parallel.pp):
             for vp_stage in range(self.parallel.vpp or 1):
                 for local, name, layer in chunk_names(self.shape, self.parallel, pp_rank, vp_stage):
                     if name == "output_layer.weight" and self.shape.tied:
                         continue
-                    full = self._gather(pp_rank, vp_stage, local, name)
+                    full = self._gather(states, pp_rank, vp_stage, local, name)
                     for hf_name, tensor in to_hf(name, layer, full, self.shape):
                         tensor = tensor.to(dtype or tensor.dtype)
                         yield hf_name, tensor
                         if hf_name == "model.embed_tokens.weight" and self.shape.tied:
                             yield "lm_head.weight", tensor
 
-    def _gather(self, pp_rank: int, vp_stage: int, local: str, name: str) -> torch.Tensor:
+    def _gather(self, states: list[dict], pp_rank: int, vp_stage: int, local: str, name: str) -> torch.Tensor:
+        """The full float32 tensor `name` (`local` in chunk `vp_stage` of stage `pp_rank`) on every rank."""
         shape = self.shape.full_shape(name)
         if self.pp_rank == pp_rank:
-            piece = self.chunks[vp_stage].state_dict()[local].detach()
+            piece = states[vp_stage][local].detach()
             kind = self.shape.kind(name)
             if self.parallel.tp > 1 and kind != "replicated":
                 pieces = [torch.empty_like(piece) for _ in range(self.parallel.tp)]
