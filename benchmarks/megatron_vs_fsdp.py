@@ -36,9 +36,10 @@ CURVES = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entrop
 CURVES += ("timing_s/update_actor", "timing_s/weight_sync")
 
 
-def train(name: str, s: dict, model: Path, data: Path, steps: int, root: Path, device: str) -> dict:
+def train(name: str, s: dict, model: Path, data: Path, steps: int, root: Path, device: str, extra: list[str]) -> dict:
     """`steps` GRPO steps of run `name`; its curves and the greedy comparison of rollout and export."""
-    config = load_config(overrides=overrides(s, model, data, "grpo", device, steps, root / name) + RUNS[name])
+    settings = overrides(s, model, data, "grpo", device, steps, root / name) + RUNS[name] + extra
+    config = load_config(overrides=settings)
     trainer = PPOTrainer(config)
     trainer._open()
     curves = []
@@ -56,7 +57,7 @@ def train(name: str, s: dict, model: Path, data: Path, steps: int, root: Path, d
     timed = curves[2:] or curves  # the first steps compile
     return {
         "run": name,
-        "overrides": RUNS[name],
+        "overrides": RUNS[name] + extra,
         "curves": curves,
         "step_s_median": statistics.median(c["timing_s/step"] for c in timed),
         "update_actor_s_median": statistics.median(c["timing_s/update_actor"] for c in timed),
@@ -107,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--runs", nargs="+", default=["fsdp_1gpu", "megatron_tp2"], choices=sorted(RUNS))
     parser.add_argument("--scale", choices=sorted(SCALES), default="full")
+    parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
     parser.add_argument("--out", required=True, help="JSON file; each run is also written beside it when done")
     args = parser.parse_args()
     s = SCALES[args.scale]
@@ -117,7 +119,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "steps": args.steps, "runs": {}}
     for name in args.runs:
-        results["runs"][name] = train(name, s, model, data, args.steps, root, device)
+        results["runs"][name] = train(name, s, model, data, args.steps, root, device, args.set)
         out.with_name(f"{out.stem}_{name}.json").write_text(json.dumps(results["runs"][name], indent=1))
     first, *others = args.runs
     results["agreement"] = {f"{o} vs {first}": agreement(results["runs"][first], results["runs"][o]) for o in others}
