@@ -277,7 +277,12 @@ class MegatronEngine:
         grad_norm = self._grad_norm()
         lr = self.scheduler.get_last_lr()[0]
         if not math.isfinite(grad_norm):
-            logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+            logger.warning(
+                "non-finite gradient norm (%s): optimizer step skipped; non-finite on rank %d: %s",
+                grad_norm,
+                dist.get_rank(),
+                self._non_finite_gradients(),
+            )
             self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 1.0}
         clip = self.optim_config.grad_clip
@@ -288,6 +293,16 @@ class MegatronEngine:
         self.optimizer.step()
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 0.0}
+
+    def _non_finite_gradients(self, show: int = 4) -> str:
+        """Which of this rank's gradients hold NaN/inf (Megatron names, chunk index first), the first `show`."""
+        bad = [
+            f"{i}.{name}"
+            for i, chunk in enumerate(self.chunks)
+            for name, p in chunk.named_parameters()
+            if p.grad is not None and not torch.isfinite(p.grad).all()
+        ]
+        return ", ".join(bad[:show]) + (f" and {len(bad) - show} more" if len(bad) > show else "") or "none"
 
     def _reduce_gradients(self) -> None:
         """Sum over data-parallel ranks; sequence-parallel norms over tensor ranks; tied embedding copies over
