@@ -248,7 +248,8 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Keep generating past EOS up to max_response_length (benchmarks)."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Extra token ids that end a response (the tokenizer's EOS always does)."""
+    """Extra token ids that end a response (the tokenizer's EOS and every EOS id of the model's generation config
+    always do)."""
     log_prob_micro_batch_size_per_device: int | None = None
     """Sequences per old-log-prob forward on one device; None = all at once."""
     hf_decoding: Literal["auto", "generate", "static"] = "auto"
