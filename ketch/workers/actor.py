@@ -22,10 +22,10 @@ from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import DeviceMemory, mean_over_steps, mini_batches, setup_process, token_share
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(DeviceMemory, Worker):
     """Generates, scores log-probs and trains the policy; `model_path` is a resolved HF directory or hub id."""
 
     def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):

@@ -17,10 +17,10 @@ from ketch.engine.heads import ValueModel
 from ketch.engine.megatron.grid import RankGrid
 from ketch.models import load_critic
 from ketch.protocol import DataProto
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import DeviceMemory, mean_over_steps, mini_batches, setup_process, token_share
 
 
-class CriticWorker(Worker):
+class CriticWorker(DeviceMemory, Worker):
     """Holds the value model; its backbone starts from `critic.model_path` or the actor's `model_path`."""
 
     def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):

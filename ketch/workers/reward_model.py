@@ -19,10 +19,10 @@ from ketch.engine.heads import ScoreModel
 from ketch.models import load_reward_model, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import stop_token_ids
-from ketch.workers.common import setup_process
+from ketch.workers.common import DeviceMemory, setup_process
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(DeviceMemory, Worker):
     """Holds the reward model at `model_path` with its tokenizer at `tokenizer_path`.
 
     `total_updates` (optimizer steps of `ketch rm`) gives it an optimizer; None keeps it frozen (PPO).
