@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -162,7 +163,8 @@ def run(args) -> dict:
     trainer._open()
     records = []
     for step in range(1, total + 1):
-        records.append(trainer._train_step(trainer.loader.next_batch(), step))
+        with profiled(args.profile if step == total else None):
+            records.append(trainer._train_step(trainer.loader.next_batch(), step))
         stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
         print(f"step {step}: {stages}", flush=True)
     memory = worker_memory(trainer.groups)
@@ -175,6 +177,23 @@ def run(args) -> dict:
     if args.device == "cuda":
         result["peak_gpu_memory_gib"] = max(m["allocated_gib"] for m in memory)
     return result
+
+
+@contextmanager
+def profiled(out: str | None):
+    """Profile the enclosed step with torch.profiler (CPU and CUDA) and write its busiest operators and kernels
+    to `out`; only what runs in this process is seen (the one-GPU run without Ray)."""
+    if out is None:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n\n".join(tables))
 
 
 def worker_memory(groups) -> list[dict]:
@@ -248,6 +267,7 @@ def main() -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], help="extra config overrides, e.g. rollout.hf_decoding=generate"
     )
+    parser.add_argument("--profile", help="write a torch.profiler table of the last step to this file")
     parser.add_argument("--out")
     args = parser.parse_args()
     start = time.perf_counter()
