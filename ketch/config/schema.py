@@ -79,6 +79,10 @@ class ModelConfig:
     """Allow model code from the model directory (needed by some hub models)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    use_remove_padding: bool = True
+    """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
+    run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding
+    costs nothing. FSDP engine only; models with sliding-window attention need it off."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Entries written over the model's config.json before loading (e.g. {attention_dropout: 0.0})."""
 

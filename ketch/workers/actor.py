@@ -46,14 +46,17 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         else:
             mixed = self.dtype if self.dtype != torch.float32 else None
             self.actor = TrainEngine(
-                PolicyModel(self._load(torch.float32)),
+                PolicyModel(self._load(torch.float32), c.model.use_remove_padding),
                 self.device,
                 c.actor.optim,
                 self.total_updates,
                 param_dtype=mixed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
             )
-            self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+            packed = c.model.use_remove_padding
+            self.ref = (
+                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device) if c.use_reference else None
+            )
             self.hf_config = self.actor.module.lm.config
         self.rollout = build_rollout(
             c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank

@@ -48,7 +48,12 @@ class CriticWorker(DeviceMemory, Worker):
             )
         else:
             self.critic = TrainEngine(
-                ValueModel(critic), self.device, c.critic.optim, self.total_updates, mixed, m.gradient_checkpointing
+                ValueModel(critic, m.use_remove_padding),
+                self.device,
+                c.critic.optim,
+                self.total_updates,
+                mixed,
+                m.gradient_checkpointing,
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:

@@ -53,7 +53,8 @@ class RewardModelWorker(DeviceMemory, Worker):
         mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         optim = c.reward.model.optim if training else None
         checkpointing = training and m.gradient_checkpointing
-        self.engine = TrainEngine(ScoreModel(model), self.device, optim, self.total_updates or 1, mixed, checkpointing)
+        head = ScoreModel(model, m.use_remove_padding)
+        self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing)
         self.actor_tokenizer = self._actor_tokenizer_if_needed()
 
     def _actor_tokenizer_if_needed(self):
