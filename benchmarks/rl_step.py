@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -154,7 +155,7 @@ def workload_overrides(workload: str, vocab: int) -> list[str]:
 
 
 def run(args) -> dict:
-    s = SCALES[args.scale]
+    s = SCALES[args.scale] | ({"prompts": args.prompts} if args.prompts else {})
     root = Path(tempfile.mkdtemp(prefix="ketch-rl-step-"))
     total = args.warmup + args.steps
     model, data = build_workload(root, s, total)
@@ -192,6 +193,7 @@ def profiled(out: str | None):
         yield
     averages = prof.key_averages()
     tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+    tables.append(json.dumps({k: dict(v) for k, v in torch._dynamo.utils.counters.items()}, indent=1, default=str))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("\n\n".join(tables))
 
@@ -261,6 +263,9 @@ def main() -> None:
     parser.add_argument("--variant", choices=["grpo", "ppo"], default="grpo")
     parser.add_argument("--scale", choices=sorted(SCALES), default="full")
     parser.add_argument("--workload", choices=["fixed", "variable"], default="fixed")
+    parser.add_argument(
+        "--prompts", type=int, help="prompts per step (and per mini-batch), e.g. 32 on two GPUs for weak scaling"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -270,6 +275,7 @@ def main() -> None:
     parser.add_argument("--profile", help="write a torch.profiler table of the last step to this file")
     parser.add_argument("--out")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.perf_counter()
     result = run(args)
     result["wall_s"] = time.perf_counter() - start

@@ -83,6 +83,9 @@ class ModelConfig:
     """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
     run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding
     costs nothing. FSDP engine only; models with sliding-window attention need it off."""
+    use_liger: bool = False
+    """Liger-Kernel's fused RMSNorm and SwiGLU in the training forwards (actor, reference, critic) on CUDA, when
+    `liger-kernel` is installed (pip install liger-kernel); otherwise a warning and the plain modules."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Entries written over the model's config.json before loading (e.g. {attention_dropout: 0.0})."""
 

@@ -9,12 +9,27 @@ replay per token), sampling stays on the device, and the host looks at the token
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+
 import torch
 from torch import nn
 from transformers import StaticCache
 
+from ketch.cache import cache_dir
+
+logger = logging.getLogger("ketch.rollout")
+
 CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
+
+
+def use_compile_cache() -> str:
+    """Keep torch.compile's caches (FX graphs, autotuning) under the ketch cache directory, so that a later run
+    reuses them (`$TORCHINDUCTOR_CACHE_DIR` wins when set); returns the directory."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 class StaticDecoder:
@@ -23,8 +38,11 @@ class StaticDecoder:
     def __init__(self, model: nn.Module, compile_step: bool):
         self.model = model
         self.caches: dict[tuple[int, int], StaticCache] = {}
+        self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
+        self.compiled = compile_step
         if compile_step:
+            self.compile_cache = use_compile_cache()
             self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
     def _step(self, tokens, attention_mask, position_ids, cache_position, cache):
@@ -41,6 +59,14 @@ class StaticDecoder:
     def _cache(self, batch: int, length: int) -> StaticCache:
         key = (batch, length)
         if key not in self.caches:
+            if self.compiled:
+                logger.info(
+                    "compiling the decode step into a CUDA graph for %d rows x %d tokens (once per shape; compiler "
+                    "cache %s)",
+                    batch,
+                    length,
+                    self.compile_cache,
+                )
             self.caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
         cache = self.caches[key]
         cache.reset()
@@ -61,6 +87,8 @@ class StaticDecoder:
         decodes every row to the full length."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
+        new_shape = (batch, prompt_len + max_new_tokens) not in self.caches
+        start = time.perf_counter()
         cache = self._cache(batch, prompt_len + max_new_tokens)
         mask = torch.zeros(batch, prompt_len + max_new_tokens, dtype=attention_mask.dtype, device=device)
         mask[:, :prompt_len] = attention_mask
@@ -70,19 +98,35 @@ class StaticDecoder:
         tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros(batch, max_new_tokens, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
-        stops = torch.tensor(stop_token_ids or [], dtype=torch.long, device=device)
+        is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         cache_positions = torch.arange(prompt_len, prompt_len + max_new_tokens, device=device)
         for t in range(max_new_tokens):
             token, log_prob = sampling.sample(logits)
             tokens[:, t] = token.masked_fill(done, pad_token_id)
             log_probs[:, t] = log_prob.masked_fill(done, 0.0)
-            done |= torch.isin(token, stops)
+            done |= is_stop[token]
             if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())):
                 break
             mask[:, prompt_len + t] = 1
             logits = self.step(token[:, None], mask, position, cache_positions[t : t + 1], cache)
             position = position + 1
+        if new_shape and self.compiled:
+            logger.info(
+                "first decode of %d rows x %d tokens took %.1f s",
+                batch,
+                prompt_len + max_new_tokens,
+                time.perf_counter() - start,
+            )
         return tokens, log_probs
+
+    def _stop_table(self, stop_token_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
+        """`[vocab]` bool, True at the stop tokens: one lookup per step, however many stop tokens there are."""
+        key = (vocab, *stop_token_ids)
+        if key not in self.stop_tables:
+            table = torch.zeros(vocab, dtype=torch.bool, device=device)
+            table[[i for i in stop_token_ids if 0 <= i < vocab]] = True
+            self.stop_tables[key] = table
+        return self.stop_tables[key]
 
 
 class Sampling:

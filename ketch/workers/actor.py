@@ -16,6 +16,7 @@ from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
 from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
@@ -86,7 +87,10 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self.config.model
-        return load_causal_lm(self.model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+        lm = load_causal_lm(self.model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+        if m.use_liger:
+            fuse_kernels(lm, self.device)
+        return lm
 
     @register(DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:

@@ -13,6 +13,7 @@ from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
 from ketch.engine.megatron.grid import RankGrid
 from ketch.models import load_critic
@@ -36,6 +37,8 @@ class CriticWorker(DeviceMemory, Worker):
             c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
         )
         self.hf_config = critic.config
+        if m.use_liger:
+            fuse_kernels(critic, self.device)
         mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         if c.critic.strategy == "megatron":
             from ketch.engine.megatron.engine import MegatronEngine
