@@ -173,6 +173,7 @@ def run(args) -> dict:
     devices = config.num_processes(args.device == "cuda")
     trainer.groups.shutdown()
     result = summarize(records[args.warmup :], s, args, rows, devices)
+    result["device"] = _device_name(args.device)
     result["first_step_s"] = records[0]["timing_s/step"]
     result["workers_peak_memory"] = memory
     if args.device == "cuda":
@@ -224,7 +225,6 @@ def summarize(records: list[dict], s: dict, args, rows: int, devices: int) -> di
         "variant": args.variant,
         "workload": args.workload,
         "scale": args.scale,
-        "device": _device_name(args.device),
         "devices": devices,
         "overrides": args.set,
         "steps_timed": len(records),
