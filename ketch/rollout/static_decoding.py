@@ -4,7 +4,8 @@
 the GPU every token, and hundreds of kernel launches per layer stack. Here the cache is allocated once per
 (batch, length), the one-token step has fixed shapes and, on GPUs, is compiled into a CUDA graph (one
 replay per token), sampling stays on the device, and the host looks at the tokens only every
-`CHECK_EVERY` steps to stop early when every row has finished.
+`CHECK_EVERY` steps to stop early when every row has finished. Attention of the one new token reads the
+KV cache once per key/value head (`grouped_decode_attention`), not once per query head.
 """
 
 from __future__ import annotations
@@ -25,6 +26,49 @@ CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
 
 
+DECODE_ATTENTION = "ketch_decode"
+"""The attention implementation the decoding model is switched to."""
+
+
+def grouped_decode_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature. For one new token per row, `query` `[batch, heads, 1, head_dim]`
+    against the cache `key`/`value` `[batch, kv_heads, length, head_dim]`: the `heads / kv_heads` query heads
+    that share a key/value head attend as one group of queries, so the cache is read once and never copied per
+    query head (transformers' SDPA path repeats it when there is a mask). Longer queries (the prompt) go to SDPA.
+    Returns `[batch, 1, heads, head_dim]`."""
+    batch, heads, length, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if length != 1 or heads == kv_heads:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)  # query head i uses kv head i // group
+    mask = None if attention_mask is None else attention_mask[..., : key.shape[-2]]
+    out = nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, 1, heads, head_dim), None
+
+
+def use_grouped_decode_attention(model: nn.Module) -> None:
+    """Switch a HF model to `grouped_decode_attention` (masks built as for SDPA)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
+    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(DECODE_ATTENTION)
+
+
 def use_compile_cache() -> str:
     """Keep torch.compile's caches (FX graphs, autotuning) under the ketch cache directory, so that a later run
     reuses them (`$TORCHINDUCTOR_CACHE_DIR` wins when set); returns the directory."""
@@ -37,6 +81,7 @@ class StaticDecoder:
 
     def __init__(self, model: nn.Module, compile_step: bool):
         self.model = model
+        use_grouped_decode_attention(model)
         self.caches: dict[tuple[int, int], StaticCache] = {}
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
