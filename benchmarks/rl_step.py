@@ -163,8 +163,8 @@ def run(args) -> dict:
     trainer = PPOTrainer(config)
     trainer._open()
     records = []
-    for step in range(1, total + 1):
-        with profiled(args.profile if step == total else None):
+    for step in range(1, total + 1 + bool(args.profile)):  # a profiled step comes after the timed ones
+        with profiled(args.profile if step > total else None):
             records.append(trainer._train_step(trainer.loader.next_batch(), step))
         stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
         print(f"step {step}: {stages}", flush=True)
@@ -172,7 +172,7 @@ def run(args) -> dict:
     rows = config.data.train_batch_size * config.rollout.n
     devices = config.num_processes(args.device == "cuda")
     trainer.groups.shutdown()
-    result = summarize(records[args.warmup :], s, args, rows, devices)
+    result = summarize(records[args.warmup : total], s, args, rows, devices)
     result["device"] = _device_name(args.device)
     result["first_step_s"] = records[0]["timing_s/step"]
     result["workers_peak_memory"] = memory
@@ -272,7 +272,9 @@ def main() -> None:
     parser.add_argument(
         "--set", nargs="*", default=[], help="extra config overrides, e.g. rollout.hf_decoding=generate"
     )
-    parser.add_argument("--profile", help="write a torch.profiler table of the last step to this file")
+    parser.add_argument(
+        "--profile", help="profile one more step after the timed ones; write its torch.profiler tables to this file"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
