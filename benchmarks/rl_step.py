@@ -2,8 +2,9 @@
 
 Workload (`--scale full`): a Qwen2.5-0.5B-shaped model with random weights in bf16, GRPO without KL or
 critic, 16 prompts x 8 samples per step, prompts of 128 tokens, responses of exactly 256 tokens
-(`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6. `--variant ppo` runs the same with a critic,
-GAE and a KL penalty to a reference policy. `--scale small` is a scaled-down copy that runs on a CPU.
+(`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6, update micro-batches of up to 49,152 tokens (one
+per GPU). `--variant ppo` runs the same with a critic, GAE and a KL penalty to a reference policy.
+`--scale small` is a scaled-down copy that runs on a CPU.
 `--workload variable` lets responses stop: one token id in `STOP_EVERY` is a stop token (about one stop
 per `STOP_EVERY` sampled tokens on a random model, so lengths spread over the whole range) and the reward
 pays for stopping early.
@@ -52,6 +53,7 @@ SCALES = {
         "prompt_len": 128,
         "response_len": 256,
         "micro": 32,
+        "max_tokens": 49152,
     },
     "small": {
         "vocab": 2048,
@@ -65,6 +67,7 @@ SCALES = {
         "prompt_len": 16,
         "response_len": 16,
         "micro": 16,
+        "max_tokens": 512,
     },
 }
 PEAK_BF16_FLOPS = {"cuda": 989e12}
@@ -132,6 +135,8 @@ def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> 
         f"actor.ppo_mini_batch_size={s['prompts']}",
         "actor.ppo_epochs=1",
         f"actor.ppo_micro_batch_size_per_device={s['micro']}",
+        "actor.use_dynamic_bsz=true",
+        f"actor.ppo_max_token_len_per_device={s['max_tokens']}",
         f"critic.ppo_micro_batch_size_per_device={s['micro']}",
         f"rollout.log_prob_micro_batch_size_per_device={s['micro'] * 2}",
         f"ref.log_prob_micro_batch_size_per_device={s['micro'] * 2}",

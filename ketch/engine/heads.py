@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ketch.engine.packing import backbone_hidden, use_packed_attention
 
-LOGIT_CHUNK = 1024
+LOGIT_CHUNK = 4096
 """Tokens per chunk of the output projection: full [tokens x vocab] float32 logits never exist at once."""
 
 
