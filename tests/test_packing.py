@@ -3,6 +3,7 @@ gradients, on ragged left-padded prompts and right-padded responses."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ketch.algorithms import policy_loss
@@ -98,3 +99,26 @@ def test_packed_critic_and_reward_model_give_the_padded_values_and_scores(tiny_m
     torch.testing.assert_close(values[True][mask], values[False][mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(scores[True], scores[False], atol=1e-5, rtol=0)
     assert scores[False].abs().max() > 1e-4
+
+
+def test_a_ppo_step_with_packed_forwards_gives_the_padded_step(tiny_config):
+    """Actor (KL to the reference) and critic through the workers: the same losses, KL and values either way."""
+    from ketch.trainer.ppo import PPOTrainer
+
+    metrics = {}
+    for packed in ("true", "false"):
+        config = tiny_config(
+            "trainer.total_steps=1",
+            "algorithm.use_kl_in_reward=true",
+            f"model.use_remove_padding={packed}",
+            f"trainer.experiment_name=packed-{packed}",
+        )
+        trainer = PPOTrainer(config)
+        trainer._open()
+        metrics[packed] = trainer._train_step(trainer.loader.next_batch(), 1)
+        heads = (trainer.actor_rollout.worker.actor.module, trainer.critic.worker.critic.module)
+        assert [head.packed for head in heads] == [packed == "true"] * 2
+        trainer.groups.shutdown()
+    assert metrics["false"]["response_length/mean"] < 8  # ragged responses: there is padding to remove
+    for key in ("actor/pg_loss", "actor/reward_kl_penalty", "critic/vf_loss", "critic/values/mean", "actor/entropy"):
+        assert metrics["true"][key] == pytest.approx(metrics["false"][key], abs=1e-5), key

@@ -79,10 +79,11 @@ class ModelConfig:
     """Allow model code from the model directory (needed by some hub models)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
-    use_remove_padding: bool = True
+    use_remove_padding: bool | None = None
     """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
     run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding
-    costs nothing. FSDP engine only; models with sliding-window attention need it off."""
+    costs nothing. None = on GPUs; off on CPUs, where per-sequence attention is slower than padded batches. FSDP
+    engine only; models with sliding-window attention need it off."""
     use_liger: bool = False
     """Liger-Kernel's fused RMSNorm and SwiGLU in the training forwards (actor, reference, critic) on CUDA, when
     `liger-kernel` is installed (pip install liger-kernel); otherwise a warning and the plain modules."""

@@ -50,6 +50,11 @@ class Packing:
         return flat.index_copy(0, self.index, packed[0]).view(*self.shape, *packed.shape[2:])
 
 
+def packing_enabled(use_remove_padding: bool | None, device: torch.device) -> bool:
+    """`model.use_remove_padding`, where None means: on CUDA devices only."""
+    return device.type == "cuda" if use_remove_padding is None else use_remove_padding
+
+
 def backbone_hidden(
     backbone: nn.Module,
     input_ids: torch.Tensor,

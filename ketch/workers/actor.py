@@ -20,6 +20,7 @@ from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
 from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
@@ -46,15 +47,15 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             self._build_megatron_engines()
         else:
             mixed = self.dtype if self.dtype != torch.float32 else None
+            packed = packing_enabled(c.model.use_remove_padding, self.device)
             self.actor = TrainEngine(
-                PolicyModel(self._load(torch.float32), c.model.use_remove_padding),
+                PolicyModel(self._load(torch.float32), packed),
                 self.device,
                 c.actor.optim,
                 self.total_updates,
                 param_dtype=mixed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
             )
-            packed = c.model.use_remove_padding
             self.ref = (
                 TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device) if c.use_reference else None
             )

@@ -16,6 +16,7 @@ from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
 from ketch.engine.megatron.grid import RankGrid
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_critic
 from ketch.protocol import DataProto
 from ketch.workers.common import DeviceMemory, mean_over_steps, mini_batches, setup_process, token_share
@@ -51,7 +52,7 @@ class CriticWorker(DeviceMemory, Worker):
             )
         else:
             self.critic = TrainEngine(
-                ValueModel(critic, m.use_remove_padding),
+                ValueModel(critic, packing_enabled(m.use_remove_padding, self.device)),
                 self.device,
                 c.critic.optim,
                 self.total_updates,

@@ -16,6 +16,7 @@ from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import ScoreModel
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_reward_model, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import stop_token_ids
@@ -53,7 +54,7 @@ class RewardModelWorker(DeviceMemory, Worker):
         mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         optim = c.reward.model.optim if training else None
         checkpointing = training and m.gradient_checkpointing
-        head = ScoreModel(model, m.use_remove_padding)
+        head = ScoreModel(model, packing_enabled(m.use_remove_padding, self.device))
         self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing)
         self.actor_tokenizer = self._actor_tokenizer_if_needed()
 
