@@ -101,24 +101,33 @@ def test_packed_critic_and_reward_model_give_the_padded_values_and_scores(tiny_m
     assert scores[False].abs().max() > 1e-4
 
 
-def test_a_ppo_step_with_packed_forwards_gives_the_padded_step(tiny_config):
-    """Actor (KL to the reference) and critic through the workers: the same losses, KL and values either way."""
+def test_a_ppo_step_packed_or_in_token_budget_micro_batches_gives_the_padded_step(tiny_config):
+    """Actor (KL to the reference) and critic through the workers: the same losses, KL and values padded, packed,
+    and packed in micro-batches of at most 40 tokens (update, old-log-prob and reference passes)."""
     from ketch.trainer.ppo import PPOTrainer
 
+    runs = {
+        "padded": ["model.use_remove_padding=false"],
+        "packed": ["model.use_remove_padding=true"],
+        "budget": [
+            "model.use_remove_padding=true",
+            "actor.use_dynamic_bsz=true",
+            "actor.ppo_max_token_len_per_device=40",
+        ],
+    }
     metrics = {}
-    for packed in ("true", "false"):
+    for name, overrides in runs.items():
         config = tiny_config(
-            "trainer.total_steps=1",
-            "algorithm.use_kl_in_reward=true",
-            f"model.use_remove_padding={packed}",
-            f"trainer.experiment_name=packed-{packed}",
+            "trainer.total_steps=1", "algorithm.use_kl_in_reward=true", *overrides, f"trainer.experiment_name={name}"
         )
         trainer = PPOTrainer(config)
         trainer._open()
-        metrics[packed] = trainer._train_step(trainer.loader.next_batch(), 1)
+        metrics[name] = trainer._train_step(trainer.loader.next_batch(), 1)
         heads = (trainer.actor_rollout.worker.actor.module, trainer.critic.worker.critic.module)
-        assert [head.packed for head in heads] == [packed == "true"] * 2
+        assert [head.packed for head in heads] == [name != "padded"] * 2
         trainer.groups.shutdown()
-    assert metrics["false"]["response_length/mean"] < 8  # ragged responses: there is padding to remove
-    for key in ("actor/pg_loss", "actor/reward_kl_penalty", "critic/vf_loss", "critic/values/mean", "actor/entropy"):
-        assert metrics["true"][key] == pytest.approx(metrics["false"][key], abs=1e-5), key
+    assert metrics["padded"]["response_length/mean"] < 8  # ragged responses: there is padding to remove
+    keys = ("actor/pg_loss", "actor/reward_kl_penalty", "critic/vf_loss", "critic/values/mean", "actor/entropy")
+    for name in ("packed", "budget"):
+        for key in keys:
+            assert metrics[name][key] == pytest.approx(metrics["padded"][key], abs=1e-5), (name, key)

@@ -147,7 +147,8 @@ class ActorConfig:
     ppo_micro_batch_size_per_device: int | None = None
     """Sequences per forward/backward on one device; None = the whole per-device mini-batch."""
     use_dynamic_bsz: bool = False
-    """Split micro-batches by a token budget (ppo_max_token_len_per_device) instead of a sequence count."""
+    """Split micro-batches by a token budget (ppo_max_token_len_per_device) instead of a sequence count, in the
+    update and in the old-log-prob and reference passes."""
     ppo_max_token_len_per_device: int = 16384
     """Token budget of one micro-batch when use_dynamic_bsz is on."""
     ppo_epochs: int = 1

@@ -105,9 +105,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     @register(DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_prob` and `entropy` `[batch, response_len]` under the current actor."""
-        out = self.actor.infer(
-            data, self.config.rollout.log_prob_micro_batch_size_per_device, **self._forward_kwargs(True)
-        )
+        micro = self.config.rollout.log_prob_micro_batch_size_per_device
+        out = self.actor.infer(data, micro, self._token_budget(), **self._forward_kwargs(True))
         return DataProto.from_dict({"old_log_prob": out["log_prob"].cpu(), "entropy": out["entropy"].cpu()})
 
     @register(DP_COMPUTE_PROTO)
@@ -115,8 +114,14 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         """`ref_log_prob` `[batch, response_len]` under the frozen reference policy."""
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob called, but no reference policy was built (KL is not used)")
-        out = self.ref.infer(data, self.config.ref.log_prob_micro_batch_size_per_device, **self._forward_kwargs(False))
+        micro = self.config.ref.log_prob_micro_batch_size_per_device
+        out = self.ref.infer(data, micro, self._token_budget(), **self._forward_kwargs(False))
         return DataProto.from_dict({"ref_log_prob": out["log_prob"].cpu()})
+
+    def _token_budget(self) -> int | None:
+        """Tokens per micro-batch (`actor.use_dynamic_bsz`) for the update and the log-prob passes, else None."""
+        a = self.config.actor
+        return a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
 
     def _forward_kwargs(self, calc_entropy: bool) -> dict:
         return {"temperature": self.config.rollout.temperature, "calc_entropy": calc_entropy}
@@ -125,13 +130,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over this rank's share, then the weight hand-off to the rollout; returns metrics."""
         a = self.config.actor
-        max_tokens = a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
         seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
         # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
         steps = [
             self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy))
-            for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, max_tokens)
+            for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, self._token_budget())
         ]
         self.update_count += 1
         metrics = mean_over_steps(steps, "actor")
