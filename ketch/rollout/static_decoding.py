@@ -24,6 +24,8 @@ logger = logging.getLogger("ketch.rollout")
 
 CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
+PROMPT_BUCKET = 64
+"""With shape buckets, prompts are left-padded to a multiple of this many tokens."""
 
 
 DECODE_ATTENTION = "ketch_decode"
@@ -79,8 +81,10 @@ def use_compile_cache() -> str:
 class StaticDecoder:
     """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
 
-    def __init__(self, model: nn.Module, compile_step: bool):
+    def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None):
+        """`buckets` (default: when compiling) rounds batch shapes up so that few graphs are captured."""
         self.model = model
+        self.buckets = compile_step if buckets is None else buckets
         use_grouped_decode_attention(model)
         self.caches: dict[tuple[int, int], StaticCache] = {}
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
@@ -129,7 +133,32 @@ class StaticDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]`.
         After a row's first stop token its tokens are `pad_token_id` (log-prob 0); `stop_token_ids=None`
-        decodes every row to the full length."""
+        decodes every row to the full length. With `buckets`, the batch runs padded to the next power of two
+        rows and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a few compiled shapes
+        serve every batch; the padding rows are dropped from the result."""
+        rows, prompt_len = input_ids.shape
+        if not self.buckets:
+            return self._generate(input_ids, attention_mask, max_new_tokens, sampling, stop_token_ids, pad_token_id)
+        extra_rows = (1 << (rows - 1).bit_length()) - rows
+        extra_len = -prompt_len % PROMPT_BUCKET
+        input_ids = nn.functional.pad(input_ids, (extra_len, 0, 0, extra_rows), value=pad_token_id)
+        attention_mask = nn.functional.pad(attention_mask, (extra_len, 0, 0, extra_rows))
+        attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
+        args = (max_new_tokens, sampling, stop_token_ids, pad_token_id)
+        tokens, log_probs = self._generate(input_ids, attention_mask, *args, active_rows=rows)
+        return tokens[:rows], log_probs[:rows]
+
+    def _generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling,
+        stop_token_ids: list[int] | None,
+        pad_token_id: int,
+        active_rows: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`generate` on a batch as it is; rows from `active_rows` on count as finished from the start."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         new_shape = (batch, prompt_len + max_new_tokens) not in self.caches
@@ -143,6 +172,8 @@ class StaticDecoder:
         tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros(batch, max_new_tokens, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
+        if active_rows is not None:
+            done[active_rows:] = True
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         cache_positions = torch.arange(prompt_len, prompt_len + max_new_tokens, device=device)
         for t in range(max_new_tokens):

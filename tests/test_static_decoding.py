@@ -25,3 +25,23 @@ def test_grouped_decode_attention_matches_sdpa_with_repeated_kv_heads_under_a_pa
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
     # row 2 sees one slot: its output is that slot's value, for each query head of the kv head
     torch.testing.assert_close(got[2, 0, 3], value[2, 1, 3], atol=1e-6, rtol=0)
+
+
+def test_shape_buckets_give_the_same_greedy_tokens_and_log_probs(tiny_model_dir):
+    """3 ragged prompts of 5 tokens decode padded to 4 rows x 64 prompt tokens exactly as unpadded."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(4, 40, (3, 5), generator=g)
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    input_ids = input_ids * attention_mask
+    out = {}
+    for buckets in (False, True):
+        decoder = StaticDecoder(model, compile_step=False, buckets=buckets)
+        out[buckets] = decoder.generate(input_ids, attention_mask, 6, Sampling(do_sample=False), [8], pad_token_id=0)
+        assert list(decoder.caches) == [(4, 70) if buckets else (3, 11)]
+    assert torch.equal(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    assert out[False][1].min() < -1  # real log-probs
