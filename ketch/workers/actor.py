@@ -24,7 +24,14 @@ from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
-from ketch.workers.common import DeviceMemory, mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import (
+    DeviceMemory,
+    mean_over_steps,
+    mini_batches,
+    setup_process,
+    shuffle_seed,
+    token_share,
+)
 
 
 class ActorRolloutRefWorker(DeviceMemory, Worker):
@@ -130,7 +137,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over this rank's share, then the weight hand-off to the rollout; returns metrics."""
         a = self.config.actor
-        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        seed = shuffle_seed(self, self.update_count)
         # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
         steps = [
@@ -236,7 +243,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     def save_pretrained(self, out_dir: str, engine_config: dict | None = None) -> None:
         """Write the actor as a Hugging Face directory with its tokenizer, the run's stop tokens as EOS
         and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
-        state = gather_hf_state(self.actor)
+        state = gather_hf_state(self.actor, keep=self.rank == 0)
         if self.rank == 0:
             stops = stop_token_ids(self.tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)
