@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 import yaml
 
+from ketch.config.errors import ConfigError
 from ketch.config.schema import COMMAND_DEFAULTS, KetchConfig
+from ketch.config.validate import validate
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot run: the message names the key, the value and the fix."""
+__all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "to_yaml"]
 
 
 def load_config(
@@ -36,8 +36,6 @@ def load_config(
     for key, value in parse_overrides(overrides or []):
         _merge(tree, _nest(key, value), source="command line")
     config = _build(KetchConfig, tree, prefix="")
-    from ketch.config.validate import validate
-
     validate(config)
     return config
 
