@@ -1,5 +1,6 @@
-"""RL algorithms on tensors: advantage estimators, KL penalties and controllers, policy and value losses,
-the Bradley–Terry loss of reward models and the mixing of reward sources.
+"""RL algorithms on tensors: advantage estimators, KL penalties and controllers, policy losses (PPO, GSPO, CISPO)
+and value losses, rollout–training mismatch correction, the Bradley–Terry loss of reward models and the mixing of
+reward sources.
 
 This package imports no other ketch module: batches are used through `.batch`, `.non_tensor_batch` and
 `.meta_info` only, so it can be tested and reused on its own.
@@ -9,12 +10,16 @@ from ketch.algorithms.advantage import NonFiniteError, robust_compute_advantage
 from ketch.algorithms.estimators import (
     AdvEstimator,
     compute_gae,
+    compute_gae_advantage_return,
     compute_grpo_advantage,
+    compute_grpo_outcome_advantage,
     compute_reinforce_pp_advantage,
+    compute_reinforce_pp_baseline_advantage,
     compute_remax_advantage,
     compute_rloo_advantage,
     discounted_returns,
     get_adv_estimator,
+    group_centered_scores,
     register_adv_estimator,
 )
 from ketch.algorithms.kl import (
@@ -29,20 +34,29 @@ from ketch.algorithms.kl import (
 from ketch.algorithms.losses import (
     AGG_MODES,
     agg_loss,
+    compute_policy_loss,
     entropy_from_logits,
-    get_policy_loss,
     policy_loss,
-    register_policy_loss,
     value_loss,
 )
 from ketch.algorithms.masked import masked_mean, masked_var, masked_whiten
+from ketch.algorithms.policy_losses import (
+    cispo_loss,
+    get_policy_loss,
+    gspo_loss,
+    gspo_token_loss,
+    policy_loss_names,
+    register_policy_loss,
+)
 from ketch.algorithms.preference import bradley_terry_loss, pairwise_accuracy
 from ketch.algorithms.reward_mix import REWARD_SOURCES, RewardMixer, RunningMeanStd, last_valid_index
+from ketch.algorithms.rollout_correction import ROLLOUT_IS_LEVELS, rollout_is_weights, rollout_mismatch_metrics
 
 __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "REWARD_SOURCES",
+    "ROLLOUT_IS_LEVELS",
     "AdaptiveKLController",
     "AdvEstimator",
     "FixedKLController",
@@ -54,15 +68,23 @@ __all__ = [
     "apply_kl_penalty",
     "bradley_terry_loss",
     "build_kl_controller",
+    "cispo_loss",
     "compute_gae",
+    "compute_gae_advantage_return",
     "compute_grpo_advantage",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
     "compute_reinforce_pp_advantage",
+    "compute_reinforce_pp_baseline_advantage",
     "compute_remax_advantage",
     "compute_rloo_advantage",
     "discounted_returns",
     "entropy_from_logits",
     "get_adv_estimator",
     "get_policy_loss",
+    "group_centered_scores",
+    "gspo_loss",
+    "gspo_token_loss",
     "kl_penalty",
     "last_valid_index",
     "masked_mean",
@@ -70,8 +92,11 @@ __all__ = [
     "masked_whiten",
     "pairwise_accuracy",
     "policy_loss",
+    "policy_loss_names",
     "register_adv_estimator",
     "register_policy_loss",
     "robust_compute_advantage",
+    "rollout_is_weights",
+    "rollout_mismatch_metrics",
     "value_loss",
 ]

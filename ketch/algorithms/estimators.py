@@ -1,4 +1,4 @@
-"""Advantage estimators (GAE, GRPO, RLOO, REINFORCE++, ReMax) and the registry that names them.
+"""Advantage estimators (GAE, GRPO, Dr. GRPO, RLOO, REINFORCE++, REINFORCE++-baseline, ReMax) and their registry.
 
 Inputs are `[batch, response_len]` tensors with a `response_mask` that is 1 for real response tokens and 0
 for padding, which may sit anywhere in a row. A masked token is skipped as if it did not exist: its reward
@@ -7,6 +7,11 @@ and value are ignored and it gets advantage 0 and return 0. Each estimator retur
 Registered estimators share one calling convention, `fn(token_level_rewards, response_mask, **context)`,
 where `context` holds `values`, `group_ids`, `reward_baselines`, `gamma`, `lam` and
 `norm_adv_by_std_in_grpo` (any of them may be None); each takes what it needs.
+
+Functions named after verl's (`compute_gae_advantage_return`, `compute_grpo_outcome_advantage`,
+`compute_reinforce_pp_advantage`, `compute_reinforce_pp_baseline_advantage`) return the numbers verl's namesakes
+return for the same inputs at valid tokens (verl leaves arbitrary values at masked tokens; here they are 0).
+The others (`compute_gae`, `compute_grpo_advantage`, ...) are ketch's building blocks, not whitened.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 
 from ketch.algorithms._checks import check_same_shape
 from ketch.algorithms._registry import Registry
+from ketch.algorithms.masked import masked_whiten
 
 GroupIds = Sequence[Hashable] | np.ndarray | torch.Tensor
 EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -53,6 +59,17 @@ def compute_gae(
     return advantages, torch.where(mask, advantages + values, 0)
 
 
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE as verl's namesake returns it: advantages whitened over the valid tokens, returns = raw GAE + values.
+
+    Shapes `[batch, response_len]`; both are 0 at masked tokens.
+    """
+    advantages, returns = compute_gae(token_level_rewards, values, response_mask, gamma, lam)
+    return masked_whiten(advantages, response_mask), returns
+
+
 def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Return-to-go G_t = r_t + γ·G(next valid token) per row, `[batch, response_len]`, 0 at masked tokens.
 
@@ -64,13 +81,15 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
 def compute_reinforce_pp_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ (Hu 2025): the discounted return-to-go of each token, no baseline.
+    """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): the discounted return-to-go, whitened over the
+    batch's valid tokens (no baseline, no critic).
 
-    Returns `(advantages, returns)`, both the return-to-go `[batch, response_len]`; the batch-level
-    whitening of the method is applied by `robust_compute_advantage` (the estimator is registered whiten=True).
+    Returns `(advantages, returns)` `[batch, response_len]`: the whitened and the raw return-to-go, 0 at masked
+    tokens. (verl's namesake restarts the return at a masked token inside a row; here a masked token is skipped,
+    so rows whose padding is only at the end give the same numbers.)
     """
     returns = discounted_returns(token_level_rewards, response_mask, gamma)
-    return returns, returns
+    return masked_whiten(returns, response_mask), returns
 
 
 def compute_remax_advantage(
@@ -145,14 +164,56 @@ def compute_grpo_advantage(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO (Shao et al. 2024): (score − group mean) / (group std + eps), broadcast over valid tokens.
 
-    The score is the sum of a sequence's valid token rewards; the std is unbiased. Without `norm_by_std` the
-    advantage is score − mean (Dr. GRPO, Liu et al. 2025). A group of one uses mean 0 and std 1 (the raw
-    score); a group whose scores are all equal gets 0 (NaN when eps = 0: 0/0). `group_ids` holds one hashable
-    per row (e.g. the `uid` strings). Returns `(advantages, returns)` `[batch, response_len]`, returns = advantages.
+    https://arxiv.org/abs/2402.03300. The score is the sum of a sequence's valid token rewards; the std is
+    unbiased. Without `norm_by_std` the advantage is score − mean (Dr. GRPO, Liu et al. 2025,
+    https://arxiv.org/abs/2503.20783). A group of one uses mean 0 and std 1 (score / (1 + eps)); a group whose
+    scores are all equal gets exactly 0 (NaN when eps = 0: 0/0). `group_ids` holds one hashable per row (e.g. the
+    `uid` strings). Returns `(advantages, returns)` `[batch, response_len]`, returns = advantages.
     """
     stats = _group_stats(token_level_rewards, response_mask, group_ids)
-    centered = stats.centered / (stats.std + eps) if norm_by_std else stats.centered
-    return _broadcast(torch.where(stats.size > 1, centered, stats.scores), response_mask)
+    alone = stats.size == 1
+    centered = torch.where(alone, stats.scores, stats.centered)
+    if norm_by_std:
+        centered = centered / (torch.where(alone, 1, stats.std) + eps)
+    return _broadcast(centered, response_mask)
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIds,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compute_grpo_advantage` under verl's name and argument names (`index` are the group ids)."""
+    return compute_grpo_advantage(token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo)
+
+
+def group_centered_scores(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score minus its group's mean score (a group of one: the raw score), broadcast over valid tokens.
+
+    The baseline step of REINFORCE++-baseline, before its batch whitening. Returns `(advantages, returns)`
+    `[batch, response_len]`, both equal.
+    """
+    stats = _group_stats(token_level_rewards, response_mask, group_ids)
+    return _broadcast(torch.where(stats.size > 1, stats.centered, stats.scores), response_mask)
+
+
+def compute_reinforce_pp_baseline_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: GroupIds
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu et al. 2025, https://arxiv.org/abs/2501.03262): each score minus its group's
+    mean score, then whitened over all valid tokens of the batch (the group mean removes the prompt's
+    difficulty; the batch std, not the group's, sets the scale, so all-equal groups give no NaN).
+
+    A group of one keeps its raw score before whitening. Returns `(advantages, returns)` `[batch, response_len]`,
+    both the whitened advantages (as verl's `compute_reinforce_plus_plus_baseline_outcome_advantage`).
+    """
+    centered, _ = group_centered_scores(token_level_rewards, response_mask, group_ids)
+    advantages = masked_whiten(centered, response_mask)
+    return advantages, advantages
 
 
 def compute_rloo_advantage(
@@ -233,7 +294,16 @@ def _rloo(token_level_rewards, response_mask, *, group_ids=None, **_):
 
 @register_adv_estimator("reinforce_plus_plus", whiten=True)
 def _reinforce_pp(token_level_rewards, response_mask, *, gamma=1.0, **_):
-    return compute_reinforce_pp_advantage(token_level_rewards, response_mask, gamma)
+    # the whitening of compute_reinforce_pp_advantage is robust_compute_advantage's (algorithm.normalize_advantage)
+    returns = discounted_returns(token_level_rewards, response_mask, gamma)
+    return returns, returns
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline", whiten=True)
+def _reinforce_pp_baseline(token_level_rewards, response_mask, *, group_ids=None, **_):
+    # the whitening of compute_reinforce_pp_baseline_advantage is robust_compute_advantage's
+    group_ids = _needs(group_ids, "reinforce_plus_plus_baseline", "group_ids", _GROUPS)
+    return group_centered_scores(token_level_rewards, response_mask, group_ids)
 
 
 @register_adv_estimator("remax")

@@ -13,15 +13,21 @@ from ketch.algorithms.masked import masked_mean
 if TYPE_CHECKING:
     from ketch.protocol import DataProto
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_BASE_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = _BASE_KINDS + tuple(f"{kind}+" for kind in _BASE_KINDS if kind not in ("mse", "k2"))
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(actor ‖ reference) from sampled-token log-probs, `[batch, response_len]`.
 
     With d = log_prob − ref_log_prob: `kl`/`k1` d; `abs` |d|; `mse`/`k2` d²/2; `low_var_kl`/`k3`
-    exp(−d) + d − 1 clamped to [−10, 10] (Schulman's k3, unbiased and always ≥ 0).
+    exp(−d) + d − 1 clamped to [−10, 10] (Schulman's k3, unbiased and always ≥ 0; http://joschu.net/blog/kl-approx.html).
+    A kind ending in `+` (e.g. `k3+`) has the value of its estimator and the gradient of k2, whose gradient is
+    the unbiased one of the KL (straight-through), as verl's namesake.
     """
+    if kind.endswith("+") and kind in KL_KINDS:
+        value, k2 = kl_penalty(log_prob, ref_log_prob, kind[:-1]), 0.5 * (log_prob - ref_log_prob).square()
+        return k2 - k2.detach() + value.detach()
     diff = log_prob - ref_log_prob
     if kind in ("kl", "k1"):
         return diff

@@ -7,16 +7,12 @@ so gradients do not depend on how the mini-batch is split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ketch.algorithms._checks import check_same_shape
-from ketch.algorithms._registry import Registry
 from ketch.algorithms.masked import masked_mean
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -79,14 +75,17 @@ def policy_loss(
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
     norm_constant: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with range [1 − low, 1 + high] and optional dual clip.
 
     Per token, r = exp(clamp(log_prob − old_log_prob, −20, 20)) and loss = max(−A·r, −A·clip(r)); with
     `clip_ratio_c` (> 1, Ye et al. 2020) the loss of a negative advantage is capped at −A·clip_ratio_c.
-    Inputs are `[batch, response_len]`; the loss is reduced by `agg_loss`. Metrics (detached scalars):
-    `pg_clipfrac` (valid tokens where the clipped term was taken), `pg_clipfrac_lower` (where the dual-clip
-    cap was taken) and `ppo_kl` (masked mean of old_log_prob − log_prob).
+    `rollout_is_weights` (detached, `[batch, response_len]`) multiply the per-token loss (truncated importance
+    sampling against the rollout engine). Inputs are `[batch, response_len]`; the loss is reduced by `agg_loss`.
+    Metrics (detached scalars): `pg_clipfrac` (valid tokens where the clipped term is larger than the
+    unclipped one), `pg_clipfrac_lower` (where the dual-clip cap was taken) and `ppo_kl` (masked mean of
+    old_log_prob − log_prob, the log-ratio clamped to ±20), as verl computes them.
     """
     check_same_shape(
         "policy_loss", old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
@@ -95,24 +94,59 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c (actor.clip_ratio_c) must be > 1 for dual clip, or None; got {clip_ratio_c}")
     valid = response_mask.bool()
     # masked tokens contribute nothing, not even a NaN gradient from garbage in their padding
-    log_ratio, advantages = torch.where(valid, log_prob - old_log_prob, 0), torch.where(valid, advantages, 0)
-    ratio = log_ratio.clamp(-20, 20).exp()
+    log_ratio = torch.where(valid, log_prob - old_log_prob, 0).clamp(-20, 20)
+    advantages = torch.where(valid, advantages, 0)
+    ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
-    took_clip, took_dual = clipped > unclipped, torch.zeros_like(valid)
+    took_dual = torch.zeros_like(valid)
     if clip_ratio_c is not None:
         cap = -advantages * clip_ratio_c
         took_dual = (advantages < 0) & (loss_mat > cap)
-        took_clip = took_clip & ~took_dual
         loss_mat = torch.where(took_dual, cap, loss_mat)
+    loss_mat = weighted(loss_mat, rollout_is_weights)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, num_tokens, num_seqs, norm_constant)
-    metrics = {
+    return loss, clip_metrics(clipped > unclipped, took_dual, log_ratio, valid)
+
+
+def weighted(loss_mat: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """`loss_mat` times the detached importance weights `[batch, response_len]`, or unchanged when None."""
+    return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
+
+
+def clip_metrics(
+    took_clip: torch.Tensor, took_dual: torch.Tensor, log_ratio: torch.Tensor, valid: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """`pg_clipfrac`, `pg_clipfrac_lower` and `ppo_kl` (−log-ratio) as masked means over the valid tokens."""
+    return {
         "pg_clipfrac": masked_mean(took_clip.float(), valid),
         "pg_clipfrac_lower": masked_mean(took_dual.float(), valid),
         "ppo_kl": masked_mean(-log_ratio.detach(), valid),
     }
-    return loss, metrics
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`policy_loss` under verl's name and calling convention: `(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`.
+
+    `cliprange_low`/`cliprange_high` default to `cliprange`; dual clip is always on (`clip_ratio_c`, default 3).
+    """
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    if low is None or high is None:
+        raise ValueError("compute_policy_loss needs cliprange, or both cliprange_low and cliprange_high")
+    loss, m = policy_loss(old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c, loss_agg_mode)
+    return loss, m["pg_clipfrac"], m["ppo_kl"], m["pg_clipfrac_lower"]
 
 
 def value_loss(
@@ -139,24 +173,3 @@ def value_loss(
     loss_mat = 0.5 * torch.maximum(unclipped, clipped)
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, num_tokens, num_seqs, norm_constant)
     return loss, {"vf_clipfrac": masked_mean((clipped > unclipped).float(), valid)}
-
-
-_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss with the signature and return value of `policy_loss`."""
-
-    def decorate(fn: PolicyLossFn) -> PolicyLossFn:
-        _POLICY_LOSSES.add(name, fn)
-        return fn
-
-    return decorate
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as `name` (`vanilla` is `policy_loss`); unknown names list the registered ones."""
-    return _POLICY_LOSSES.get(name)
-
-
-register_policy_loss("vanilla")(policy_loss)

@@ -50,7 +50,8 @@ def recompute_old_log_prob(config: KetchConfig, plan: BatchPlan) -> bool:
     """Whether `old_log_prob` needs its own forward pass (see `actor.recompute_old_log_prob`)."""
     if config.actor.recompute_old_log_prob is not None:
         return config.actor.recompute_old_log_prob
-    return plan.actor.epochs > 1 or plan.actor.num_mini_batches > 1 or config.algorithm.use_kl_in_reward
+    needed_by = config.algorithm.use_kl_in_reward or config.actor.rollout_is is not None
+    return plan.actor.epochs > 1 or plan.actor.num_mini_batches > 1 or needed_by
 
 
 def derive_batch_plan(config: KetchConfig, world_size: int = 1) -> BatchPlan:

@@ -102,7 +102,36 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """Model parallelism of a role trained with `strategy=megatron` (Megatron-Core, GPUs only). The processes of
+    a run form a grid: data-parallel size = GPUs / (tensor_model_parallel_size x pipeline_model_parallel_size)."""
+
+    tensor_model_parallel_size: int = 1
+    """GPUs one layer is split over (Shoeybi et al. 2019); must divide the attention heads, the key/value heads,
+    the vocabulary and the GPU count. Keep it within one node (NVLink)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages the layers are split over (GPipe / 1F1B schedules of Narayanan et al. 2021); at most the
+    number of layers. Micro-batches are those of the batch plan."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline stage for the interleaved 1F1B schedule (smaller pipeline bubble); None = one.
+    Needs pipeline_model_parallel_size > 1 and layers divisible by pipeline x virtual size."""
+    sequence_parallel: bool = False
+    """Split the activations of norms and dropout over the sequence within a tensor-parallel group (Korthikanti
+    et al. 2022): less activation memory. Needs tensor_model_parallel_size > 1."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """GPUs that hold one copy of the model (tensor x pipeline)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+
+@dataclass(frozen=True)
 class ActorConfig:
+    strategy: Literal["fsdp", "megatron"] = "fsdp"
+    """Training engine of the actor (and of the reference, which follows it): `fsdp` (FSDP2, CPU or GPU) or
+    `megatron` (Megatron-Core tensor/pipeline parallelism, GPUs only; pip install 'ketch[megatron]')."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Model parallelism when strategy=megatron."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
     """Optimizer of the policy (the default suits the built-in tiny model; use ~1e-6 for billion-parameter models)."""
     ppo_mini_batch_size: int | None = None
@@ -126,24 +155,48 @@ class ActorConfig:
     """PPO clip range above 1 (DAPO's clip-higher when larger than clip_ratio_low)."""
     clip_ratio_c: float | None = None
     """Dual-clip bound for negative advantages (Ye et al. 2020); None disables dual clip."""
+    policy_loss: str = "vanilla"
+    """Policy loss: vanilla (PPO clip), gspo (sequence-level ratio, https://arxiv.org/abs/2507.18071), gspo_token,
+    cispo (clipped, detached importance weight, https://arxiv.org/abs/2506.13585), or any registered one."""
+    gspo_clip_ratio_low: float = 3e-4
+    """GSPO's clip range below 1 of the length-normalised sequence ratio (the paper's 3e-4)."""
+    gspo_clip_ratio_high: float = 4e-4
+    """GSPO's clip range above 1 of the length-normalised sequence ratio (the paper's 4e-4)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    """How per-token losses are reduced (token-mean is global over the mini-batch's valid tokens)."""
+    """How per-token losses are reduced (token-mean is global over the mini-batch's valid tokens);
+    seq-mean-token-sum-norm is Dr. GRPO's: each sequence's token sum / loss_scale_factor, mean over sequences."""
+    loss_scale_factor: int | None = None
+    """The constant of seq-mean-token-sum-norm (Dr. GRPO, https://arxiv.org/abs/2503.20783); None =
+    data.max_response_length, the generation budget, so the normalisation never changes during a run."""
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Truncated importance sampling against the rollout engine's own log-probs (rollout_log_probs): weight each
+    token's loss by min(pi_old / pi_rollout, rollout_is_threshold) per token, or per sequence (product of the
+    token ratios); None disables. Forces the old-log-prob pass (actor.recompute_old_log_prob)."""
+    rollout_is_threshold: float = 2.0
+    """Upper bound of the truncated importance weights of actor.rollout_is."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus in the actor loss."""
     use_kl_loss: bool = False
     """Add KL(actor || reference) to the loss (GRPO style) instead of to the reward."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss when use_kl_loss."""
-    kl_loss_type: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = "low_var_kl"
-    """KL estimator of the KL loss."""
+    kl_loss_type: Literal[
+        "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"
+    ] = "low_var_kl"
+    """KL estimator of the KL loss; a `+` kind keeps its value with the unbiased gradient of k2 (straight-through)."""
 
 
 @dataclass(frozen=True)
 class CriticConfig:
     enable: bool | None = None
     """Train a value model; None = only when algorithm.adv_estimator needs one (gae)."""
+    strategy: Literal["fsdp", "megatron"] = "fsdp"
+    """Training engine of the critic: `fsdp` or `megatron` (as actor.strategy)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Model parallelism when strategy=megatron; its tensor x pipeline size must equal the actor's (one batch
+    plan serves both roles, so they need the same data-parallel size)."""
     model_path: str | None = None
     """Backbone of the critic; None = the actor's initial weights with a fresh value head."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
@@ -387,16 +440,27 @@ class KetchConfig:
         """Whether the workers run on GPUs (`gpu_visible`: does this machine see one, for device=auto)."""
         return self.trainer.device == "cuda" or (self.trainer.device == "auto" and gpu_visible)
 
-    def world_size(self, gpu_visible: bool) -> int:
-        """Data-parallel worker processes over all nodes."""
+    def num_processes(self, gpu_visible: bool) -> int:
+        """Worker processes over all nodes (one per device)."""
         t = self.trainer
         return t.nnodes * (t.n_gpus_per_node if self.uses_gpu(gpu_visible) else t.n_cpu_workers)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Processes holding one copy of a trained model: the Megatron tensor x pipeline size, else 1."""
+        roles = [self.actor] + ([self.critic] if self.use_critic else [])
+        return max(r.megatron.model_parallel_size if r.strategy == "megatron" else 1 for r in roles)
+
+    def world_size(self, gpu_visible: bool) -> int:
+        """Data-parallel ranks over all nodes: processes / model_parallel_size (rounded down; validation
+        requires that it divides)."""
+        return max(1, self.num_processes(gpu_visible) // self.model_parallel_size)
 
     def uses_ray(self, gpu_visible: bool) -> bool:
         """The backend that `trainer.backend` resolves to (see its documentation)."""
         if self.trainer.backend != "auto":
             return self.trainer.backend == "ray"
-        return self.world_size(gpu_visible) > 1 or self.trainer.nnodes > 1 or self.trainer.ray_address is not None
+        return self.num_processes(gpu_visible) > 1 or self.trainer.nnodes > 1 or self.trainer.ray_address is not None
 
     @property
     def use_reference(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.errors import ConfigError
+from ketch.config.parallel import megatron_problems
 from ketch.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -17,6 +18,7 @@ from ketch.config.schema import (
     DataConfig,
     KetchConfig,
     KLControlConfig,
+    MegatronConfig,
     OptimConfig,
     RefConfig,
     RewardConfig,
@@ -28,7 +30,7 @@ from ketch.config.schema import (
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
-POSITIVE, COUNT, NON_NEGATIVE, UNIT = "(0, inf)", "[1, inf)", "[0, inf)", "[0, 1]"
+POSITIVE, COUNT, NON_NEGATIVE, UNIT, FINITE = "(0, inf)", "[1, inf)", "[0, inf)", "[0, 1]", "(-inf, inf)"
 RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
     OptimConfig: {
         "lr": POSITIVE,
@@ -53,7 +55,17 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "clip_ratio_low": ("[0, 1)", "the ratio is clipped below at 1 - clip_ratio_low, which must stay > 0"),
         "clip_ratio_high": NON_NEGATIVE,
         "clip_ratio_c": ("(1, inf)", "the dual-clip bound is a multiple of the advantage, e.g. 3.0"),
+        "gspo_clip_ratio_low": ("[0, 1)", "the sequence ratio is clipped below at 1 - gspo_clip_ratio_low"),
+        "gspo_clip_ratio_high": NON_NEGATIVE,
+        "loss_scale_factor": (COUNT, "null uses data.max_response_length"),
+        "rollout_is_threshold": POSITIVE,
+        "entropy_coeff": (FINITE, "a negative value penalises entropy"),
         "kl_loss_coef": NON_NEGATIVE,
+    },
+    MegatronConfig: {
+        "tensor_model_parallel_size": COUNT,
+        "pipeline_model_parallel_size": COUNT,
+        "virtual_pipeline_model_parallel_size": (COUNT, "null means one model chunk per stage"),
     },
     CriticConfig: {
         "ppo_mini_batch_size": COUNT,
@@ -94,6 +106,7 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "max_checkpoints_to_keep": (COUNT, "null keeps all"),
         "max_retries": NON_NEGATIVE,
         "oom_retry_delay": NON_NEGATIVE,
+        "seed": NON_NEGATIVE,
         "n_gpus_per_node": COUNT,
         "n_cpu_workers": COUNT,
         "nnodes": COUNT,
@@ -110,7 +123,7 @@ def validate(config: KetchConfig) -> None:
     problems = out_of_range(config)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    problems = [p for check in _CHECKS if (p := check(config))]
+    problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config)
     for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
         try:
             derive_batch_plan(config, world_size=world)
@@ -239,4 +252,27 @@ def _reward_sources(c: KetchConfig) -> str | None:
     return None
 
 
+def _registered_algorithms(c: KetchConfig) -> str | None:
+    # ketch.algorithms imports no other ketch module, so the registries can be asked at load time
+    from ketch.algorithms import get_adv_estimator, get_policy_loss
+
+    for key, lookup, name in (
+        ("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator),
+        ("actor.policy_loss", get_policy_loss, c.actor.policy_loss),
+    ):
+        try:
+            lookup(name)
+        except ValueError as err:
+            return f"{key}={name}: {err}"
+    return None
+
+
+def _rollout_is(c: KetchConfig) -> str | None:
+    a = c.actor
+    if a.rollout_is is not None and a.recompute_old_log_prob is False:
+        return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
+    return None
+
+
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
+_CHECKS += (_registered_algorithms, _rollout_is)

@@ -3,6 +3,10 @@
 A mode is a pair of functions: `dispatch(world_size, args, kwargs) -> (per-rank [(args, kwargs)], context)`
 and `collect(results_of_owner_ranks, context) -> result`; `context` carries what the collect step needs to
 know about the split (e.g. the padding added). Register new modes with `register_dispatch_mode`.
+
+A data-parallel mode (`DP_COMPUTE_PROTO`) splits over the group's data-parallel ranks, not its processes: with
+tensor or pipeline parallelism several processes form one data-parallel rank. They all get that rank's piece
+(they compute it together), and one of them (`collect`) returns the result (`DataParallelLayout`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,56 @@ class DispatchMode:
     name: str
     dispatch: Callable[[int, tuple, dict], tuple[list[tuple[tuple, dict]], dict]]
     collect: Callable[[list[Any], dict], Any]
+    data_parallel: bool = False
+    """Split over data-parallel ranks (`DataParallelLayout`) instead of processes."""
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """Each process's data-parallel rank and whether it returns that rank's results, indexed by process rank."""
+
+    dp_rank: tuple[int, ...]
+    collect: tuple[bool, ...]
+
+    @classmethod
+    def flat(cls, world: int) -> DataParallelLayout:
+        """Every process its own data-parallel rank (FSDP, or no parallelism)."""
+        return cls(tuple(range(world)), (True,) * world)
+
+    @classmethod
+    def from_ranks(cls, ranks: list[tuple[int, bool]], role: str = "worker") -> DataParallelLayout:
+        """From each process's `Worker.dispatch_rank()`; every data-parallel rank 0..n-1 needs one collector."""
+        layout = cls(tuple(r for r, _ in ranks), tuple(c for _, c in ranks))
+        collectors = sorted(r for r, c in ranks if c)
+        if collectors != list(range(layout.dp_size)) or set(layout.dp_rank) != set(collectors):
+            raise ValueError(
+                f"{role}: data-parallel ranks {list(layout.dp_rank)} with collectors at processes "
+                f"{[i for i, c in enumerate(layout.collect) if c]}: each data-parallel rank 0..n-1 needs exactly "
+                "one process that returns its results"
+            )
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return len(self.dp_rank)
+
+    @property
+    def dp_size(self) -> int:
+        return max(self.dp_rank) + 1
+
+    def plan(self, mode: DispatchMode, args: tuple, kwargs: dict) -> tuple[list[tuple[tuple, dict]], dict]:
+        """Per-process (args, kwargs) of one call, and the collect context."""
+        if not mode.data_parallel:
+            return mode.dispatch(self.world_size, args, kwargs)
+        calls, context = mode.dispatch(self.dp_size, args, kwargs)
+        return [calls[d] for d in self.dp_rank], context
+
+    def gather(self, mode: DispatchMode, results: list[Any], context: dict) -> Any:
+        """`mode`'s result from the per-process `results` (all processes, or the one that ran a rank-zero call)."""
+        if mode.data_parallel and len(results) == self.world_size:
+            by_dp = {self.dp_rank[p]: result for p, result in enumerate(results) if self.collect[p]}
+            results = [by_dp[d] for d in range(self.dp_size)]
+        return mode.collect(results, context)
 
 
 _MODES: dict[str, DispatchMode] = {}
@@ -85,4 +139,4 @@ def mean_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
 ONE_TO_ALL = register_dispatch_mode(DispatchMode("ONE_TO_ALL", _same_to_all, lambda results, _: results))
 ALL_TO_ALL = register_dispatch_mode(DispatchMode("ALL_TO_ALL", _one_per_rank, lambda results, _: results))
 RANK_ZERO = register_dispatch_mode(DispatchMode("RANK_ZERO", _same_to_all, lambda results, _: results[0]))
-DP_COMPUTE_PROTO = register_dispatch_mode(DispatchMode("DP_COMPUTE_PROTO", _split_protos, _concat_protos))
+DP_COMPUTE_PROTO = register_dispatch_mode(DispatchMode("DP_COMPUTE_PROTO", _split_protos, _concat_protos, True))

@@ -10,6 +10,7 @@ import traceback
 from typing import Any
 
 from ketch.controller.decorator import registered_methods
+from ketch.controller.dispatch import DataParallelLayout
 from ketch.controller.errors import WorkerError
 
 
@@ -21,16 +22,17 @@ class LocalWorkerGroup:
     def __init__(self, worker_cls: type, *args: Any, role: str = "worker", **kwargs: Any):
         self.role = role
         self.worker = worker_cls(*args, **kwargs)
+        self.layout = DataParallelLayout.flat(1)
         for name, registration in registered_methods(worker_cls).items():
             setattr(self, name, functools.partial(self._call, name, registration))
 
     def _call(self, name: str, registration, *args: Any, **kwargs: Any) -> Any:
-        ((rank_args, rank_kwargs),), context = registration.dispatch.dispatch(1, args, kwargs)
+        ((rank_args, rank_kwargs),), context = self.layout.plan(registration.dispatch, args, kwargs)
         try:
             result = getattr(self.worker, name)(*rank_args, **rank_kwargs)
         except Exception as err:
             raise WorkerError(self.role, 0, f"{name} raised:\n{traceback.format_exc()}", err) from err
-        return registration.dispatch.collect([result], context)
+        return self.layout.gather(registration.dispatch, [result], context)
 
     def shutdown(self) -> None:
         """Drop the worker (its models are freed with it)."""

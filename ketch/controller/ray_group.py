@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ketch.controller.decorator import Registration, registered_methods
+from ketch.controller.dispatch import DataParallelLayout
 from ketch.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from ketch.controller.resource_pool import RayResourcePool
 
@@ -66,6 +67,9 @@ class RoleGroup:
 
     def __init__(self, group: RayWorkerGroup, role: str, cls: type):
         self.group, self.role = group, role
+        refs = {r: actor.execute.remote(role, "dispatch_rank") for r, actor in enumerate(group.actors)}
+        ranks = group.wait(role, "dispatch_rank", refs)
+        self.layout = DataParallelLayout.from_ranks([ranks[r] for r in sorted(ranks)], role)
         for name, registration in registered_methods(cls).items():
             setattr(self, name, functools.partial(self._call, name, registration))
             setattr(self, f"async_{name}", functools.partial(self._call_async, name, registration))
@@ -78,22 +82,22 @@ class RoleGroup:
         return self._call_async(method, registration, *args, **kwargs).get()
 
     def _call_async(self, method: str, registration: Registration, *args: Any, **kwargs: Any) -> GroupCall:
-        calls, context = registration.dispatch.dispatch(self.world_size, args, kwargs)
+        calls, context = self.layout.plan(registration.dispatch, args, kwargs)
         ranks = [0] if registration.execute == "rank_zero" else range(self.world_size)
         refs = {r: self.group.actors[r].execute.remote(self.role, method, *calls[r][0], **calls[r][1]) for r in ranks}
-        return GroupCall(self.group, self.role, method, refs, registration, context)
+        return GroupCall(self, method, refs, registration, context)
 
 
 class GroupCall:
     """A call in flight on some ranks; `get()` waits (up to the group's timeout) and collects."""
 
-    def __init__(self, group, role: str, method: str, refs: dict[int, Any], registration: Registration, context):
-        self.group, self.role, self.method, self.refs = group, role, method, refs
-        self.registration, self.context = registration, context
+    def __init__(self, role_group: RoleGroup, method: str, refs: dict[int, Any], registration: Registration, context):
+        self.group, self.role, self.method, self.refs = role_group.group, role_group.role, method, refs
+        self.layout, self.registration, self.context = role_group.layout, registration, context
 
     def get(self) -> Any:
         results = self.group.wait(self.role, self.method, self.refs)
-        return self.registration.dispatch.collect([results[r] for r in sorted(results)], self.context)
+        return self.layout.gather(self.registration.dispatch, [results[r] for r in sorted(results)], self.context)
 
 
 class RayWorkerGroup:

@@ -31,3 +31,9 @@ class Worker:
     @property
     def master_port(self) -> str | None:
         return os.environ.get("MASTER_PORT")
+
+    def dispatch_rank(self) -> tuple[int, bool]:
+        """(data-parallel rank of this process, whether it returns that rank's results) for data-parallel dispatch
+        (`DataParallelLayout`). Every process is its own data-parallel rank unless a role with tensor or
+        pipeline parallelism says otherwise; asked once when a group starts, so it must not need `init_model`."""
+        return self.rank, True

@@ -45,29 +45,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_engine(
-    engine: TrainEngine, directory: Path, extra: dict[str, Any] | None = None, hf_config=None, tokenizer=None
+    engine: TrainEngine | Any, directory: Path, extra: dict[str, Any] | None = None, hf_config=None, tokenizer=None
 ) -> None:
     """Write the engine's sharded model/optimizer state, its lr schedule and `extra` (every rank calls);
     rank 0 adds `hf_config` and `tokenizer`, when given, under `HF_DIR`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rank, world = _rank_world()
-    dcp.save(_state(engine), checkpoint_id=str(directory))
-    scheduler = engine.scheduler.state_dict() if engine.scheduler is not None else None
-    torch.save({"scheduler": scheduler, "rng": rng_state(), **(extra or {})}, directory / f"extra_rank{rank}.pt")
+    if not isinstance(engine, TrainEngine):  # the Megatron engine writes its own per-rank files and manifest
+        engine.save_checkpoint(directory, extra or {})
+    else:
+        dcp.save(_state(engine), checkpoint_id=str(directory))
+        scheduler = engine.scheduler.state_dict() if engine.scheduler is not None else None
+        torch.save({"scheduler": scheduler, "rng": rng_state(), **(extra or {})}, directory / f"extra_rank{rank}.pt")
     if rank == 0:
-        layout = {name: list(p.shape) for name, p in engine.module.named_parameters()}
-        manifest = {"format": "torch.distributed.checkpoint", "world_size": world, "parameters": layout}
-        (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if isinstance(engine, TrainEngine):
+            layout = {name: list(p.shape) for name, p in engine.module.named_parameters()}
+            manifest = {"format": "torch.distributed.checkpoint", "world_size": world, "parameters": layout}
+            (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
         for part in (hf_config, tokenizer):
             if part is not None:
                 part.save_pretrained(directory / HF_DIR)
 
 
-def load_engine(engine: TrainEngine, directory: Path) -> dict[str, Any]:
+def load_engine(engine: TrainEngine | Any, directory: Path) -> dict[str, Any]:
     """Load what `save_engine` wrote, resharding when the world size differs; returns the extra entries.
     RNG states are restored only when the world size is the same (they belong to ranks)."""
     directory = Path(directory)
+    if not isinstance(engine, TrainEngine):
+        return engine.load_checkpoint(directory)
     rank, world = _rank_world()
     manifest = json.loads((directory / "manifest.json").read_text())
     state = _state(engine)

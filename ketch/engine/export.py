@@ -77,7 +77,13 @@ def gather_hf_state(engine: TrainEngine) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint_state(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Model weights of a sharded engine checkpoint (see `engine.checkpoint`), merged on the CPU, by HF name."""
+    """Model weights of a sharded engine checkpoint (see `engine.checkpoint`, or the Megatron engine's), merged
+    on the CPU, by HF name."""
+    manifest = Path(directory) / "manifest.json"
+    if manifest.is_file() and json.loads(manifest.read_text()).get("format") == "megatron":
+        from ketch.engine.megatron.checkpoint import load_megatron_state
+
+        return load_megatron_state(directory)
     metadata = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     model = {
         key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)

@@ -24,8 +24,10 @@ from ketch.algorithms import (
 )
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
+from ketch.config.parallel import check_megatron_start, megatron_roles
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
+from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
@@ -46,7 +48,10 @@ class PPOTrainer(TrainingLoop):
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
-        load_model_config(self.model_path, c.model.trust_remote_code)  # a bad model path fails before any work
+        model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
+        check_megatron_start(c, model_config, torch.cuda.is_available())
+        if megatron_roles(c):
+            check_supported(model_config)
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
@@ -99,7 +104,7 @@ class PPOTrainer(TrainingLoop):
         timings["step"] = time.perf_counter() - step_start
         metrics |= kl_metrics | data_metrics(batch, self.config.data.max_response_length)
         metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
-        metrics |= throughput_metrics(batch, timings["step"], self.plan.world_size)
+        metrics |= throughput_metrics(batch, timings["step"], self.config.num_processes(torch.cuda.is_available()))
         metrics["training/epoch"] = batch.meta_info["epoch"]
         return metrics
 
@@ -164,7 +169,9 @@ class PPOTrainer(TrainingLoop):
     def _for_update(self, batch: DataProto) -> DataProto:
         """Only what the actor update reads travels to the workers."""
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
-        optional = ["old_log_prob"] + (["ref_log_prob"] if self.config.actor.use_kl_loss else [])
+        a = self.config.actor
+        optional = ["old_log_prob"] + (["ref_log_prob"] if a.use_kl_loss else [])
+        optional += ["rollout_log_probs"] if a.rollout_is is not None else []
         keys += [k for k in optional if k in batch.batch]
         return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
 

@@ -8,9 +8,11 @@ from pathlib import Path
 import torch
 
 from ketch.config import KetchConfig, derive_batch_plan, to_dict
+from ketch.config.parallel import check_megatron_start, megatron_roles
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
-from ketch.models import load_tokenizer
+from ketch.engine.megatron.weights import check_supported
+from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
@@ -31,6 +33,10 @@ class SFTTrainer:
         self.config = c = config
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
+        model_config = load_model_config(self.model_path, c.model.trust_remote_code)
+        check_megatron_start(c, model_config, torch.cuda.is_available())
+        if megatron_roles(c):
+            check_supported(model_config)
         tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.train_set = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)

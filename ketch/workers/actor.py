@@ -1,6 +1,6 @@
-"""`ActorRolloutRefWorker`: the hybrid engine. One process holds the FSDP actor, the rollout engine and,
-when KL is used, the frozen reference policy; after each update the actor's weights go to the rollout
-in memory."""
+"""`ActorRolloutRefWorker`: the hybrid engine. One process holds the actor (FSDP2 or Megatron engine), the
+rollout engine and, when KL is used, the frozen reference policy; after each update the actor's weights go
+to the rollout in memory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty
+from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
@@ -17,8 +17,9 @@ from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import PolicyModel
+from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
-from ketch.models import load_causal_lm, load_tokenizer, resolve_dtype
+from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
 from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
@@ -31,6 +32,8 @@ class ActorRolloutRefWorker(Worker):
         super().__init__()
         self.config, self.model_path, self.plan, self.total_updates = config, model_path, plan, total_updates
         self.update_count = 0
+        # the constant of seq-mean-token-sum-norm (Dr. GRPO): the same for every micro-batch of the run
+        self.norm_constant = config.actor.loss_scale_factor or config.data.max_response_length
 
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
@@ -38,21 +41,45 @@ class ActorRolloutRefWorker(Worker):
         self.device = setup_process(c.trainer.device, c.trainer.seed)
         self.dtype = resolve_dtype(c.model.dtype, self.device)
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
-        mixed = self.dtype if self.dtype != torch.float32 else None
-        self.actor = TrainEngine(
-            PolicyModel(self._load(torch.float32)),
-            self.device,
-            c.actor.optim,
-            self.total_updates,
-            param_dtype=mixed,
-            gradient_checkpointing=c.model.gradient_checkpointing,
-        )
-        self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+        if c.actor.strategy == "megatron":
+            self._build_megatron_engines()
+        else:
+            mixed = self.dtype if self.dtype != torch.float32 else None
+            self.actor = TrainEngine(
+                PolicyModel(self._load(torch.float32)),
+                self.device,
+                c.actor.optim,
+                self.total_updates,
+                param_dtype=mixed,
+                gradient_checkpointing=c.model.gradient_checkpointing,
+            )
+            self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+            self.hf_config = self.actor.module.lm.config
         self.rollout = build_rollout(
             c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank
         )
-        self.hf_config = self.actor.module.lm.config
         self._sync_rollout()
+
+    def _build_megatron_engines(self) -> None:
+        """Actor (and reference) as Megatron-Core engines (`actor.strategy=megatron`; the reference follows)."""
+        from ketch.engine.megatron.engine import MegatronEngine, hf_reader
+
+        c = self.config
+        self.hf_config = load_model_config(self.model_path, c.model.trust_remote_code, c.model.override_config)
+        args = (self.hf_config, hf_reader(self.model_path), c.actor.megatron, self.device)
+        self.actor = MegatronEngine(
+            *args, c.actor.optim, self.total_updates, self.dtype, c.model.gradient_checkpointing, c.trainer.seed
+        )
+        self.ref = MegatronEngine(*args, dtype=self.dtype, seed=c.trainer.seed) if c.use_reference else None
+
+    def dispatch_rank(self) -> tuple[int, bool]:
+        """With `actor.strategy=megatron`, tensor/pipeline peers share a data-parallel rank (see `RankGrid`)."""
+        m = self.config.actor.megatron
+        if self.config.actor.strategy != "megatron":
+            return super().dispatch_rank()
+        return RankGrid(
+            self.rank, self.world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        ).dispatch_rank()
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self.config.model
@@ -105,19 +132,9 @@ class ActorRolloutRefWorker(Worker):
 
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
         a, b = self.config.actor, micro.batch
-        mask, counts = b["response_mask"], {"num_tokens": num_tokens, "num_seqs": num_seqs}
-        old_log_prob = b["old_log_prob"] if "old_log_prob" in b else out["log_prob"].detach()  # on-policy: ratio 1
-        pg_loss, pg = get_policy_loss("vanilla")(
-            old_log_prob,
-            out["log_prob"],
-            b["advantages"],
-            mask,
-            a.clip_ratio_low,
-            a.clip_ratio_high,
-            a.clip_ratio_c,
-            a.loss_agg_mode,
-            **counts,
-        )
+        mask = b["response_mask"]
+        counts = {"num_tokens": num_tokens, "num_seqs": num_seqs, "norm_constant": self.norm_constant}
+        pg_loss, pg = self._policy_loss(out, b, counts)
         share = token_share(micro, num_tokens)
         metrics = {"pg_loss": pg_loss.detach()} | {k: v.detach() * share for k, v in pg.items()}
         if "old_log_prob" not in b:
@@ -133,6 +150,33 @@ class ActorRolloutRefWorker(Worker):
             )
             loss = loss + a.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
+        return loss, metrics
+
+    def _policy_loss(self, out: dict, b: dict, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The registered `actor.policy_loss`, with truncated importance weights when `actor.rollout_is` is set."""
+        a, mask = self.config.actor, b["response_mask"]
+        old_log_prob = b["old_log_prob"] if "old_log_prob" in b else out["log_prob"].detach()  # on-policy: ratio 1
+        weights = None
+        if a.rollout_is is not None:
+            weights = rollout_is_weights(
+                old_log_prob, b["rollout_log_probs"], mask, a.rollout_is, a.rollout_is_threshold
+            )
+        loss, metrics = get_policy_loss(a.policy_loss)(
+            old_log_prob,
+            out["log_prob"],
+            b["advantages"],
+            mask,
+            clip_ratio_low=a.clip_ratio_low,
+            clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c,
+            gspo_clip_ratio_low=a.gspo_clip_ratio_low,
+            gspo_clip_ratio_high=a.gspo_clip_ratio_high,
+            loss_agg_mode=a.loss_agg_mode,
+            rollout_is_weights=weights,
+            **counts,
+        )
+        if weights is not None:
+            metrics["rollout_is_weight_mean"] = masked_mean(weights, mask)
         return loss, metrics
 
     def _sync_rollout(self) -> float:

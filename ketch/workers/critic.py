@@ -1,4 +1,4 @@
-"""`CriticWorker`: the FSDP value model: per-token values and the clipped value-loss update."""
+"""`CriticWorker`: the value model (FSDP2 or Megatron engine): per-token values and the clipped value-loss update."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import ValueModel
+from ketch.engine.megatron.grid import RankGrid
 from ketch.models import load_critic
 from ketch.protocol import DataProto
 from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
@@ -34,10 +35,30 @@ class CriticWorker(Worker):
         critic = load_critic(
             c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
         )
+        self.hf_config = critic.config
         mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
-        self.critic = TrainEngine(
-            ValueModel(critic), self.device, c.critic.optim, self.total_updates, mixed, m.gradient_checkpointing
-        )
+        if c.critic.strategy == "megatron":
+            from ketch.engine.megatron.engine import MegatronEngine
+
+            state = critic.state_dict()  # the backbone and the same freshly initialised head as with FSDP
+            args = (critic.config, state.__getitem__, c.critic.megatron, self.device, c.critic.optim)
+            dtype = mixed or torch.float32
+            self.critic = MegatronEngine(
+                *args, self.total_updates, dtype, m.gradient_checkpointing, c.trainer.seed, value_head=True
+            )
+        else:
+            self.critic = TrainEngine(
+                ValueModel(critic), self.device, c.critic.optim, self.total_updates, mixed, m.gradient_checkpointing
+            )
+
+    def dispatch_rank(self) -> tuple[int, bool]:
+        """With `critic.strategy=megatron`, tensor/pipeline peers share a data-parallel rank (see `RankGrid`)."""
+        m = self.config.critic.megatron
+        if self.config.critic.strategy != "megatron":
+            return super().dispatch_rank()
+        return RankGrid(
+            self.rank, self.world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
+        ).dispatch_rank()
 
     @register(DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -59,7 +80,7 @@ class CriticWorker(Worker):
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
         """Sharded critic model/optimizer/schedule, this rank's RNG and the HF config."""
-        save_engine(self.critic, Path(directory), {"update_count": self.update_count}, self.critic.module.critic.config)
+        save_engine(self.critic, Path(directory), {"update_count": self.update_count}, self.hf_config)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
@@ -70,7 +91,7 @@ class CriticWorker(Worker):
         """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label)."""
         state = gather_hf_state(self.critic)
         if self.rank == 0:
-            write_hf_directory(state, self.critic.module.critic.config, out_dir)
+            write_hf_directory(state, self.hf_config, out_dir)
 
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
         c, b = self.config.critic, micro.batch

@@ -90,18 +90,21 @@ def test_gae_is_unchanged_by_masked_tokens_inserted_anywhere(tokens, gaps, gamma
 
 
 # ----------------------------------------------------------------------------- REINFORCE++ and ReMax
-def test_reinforce_pp_is_the_discounted_return_to_go():
-    # gamma 0.9, rewards [0, 0, 1]: [0.81, 0.9, 1]
+def test_reinforce_pp_whitens_the_discounted_return_to_go():
+    # gamma 0.9, rewards [0, 0, 1]: returns [0.81, 0.9, 1]; mean 0.903333, deviations −0.093333, −0.003333,
+    # 0.096667; unbiased variance (0.0087111 + 0.0000111 + 0.0093444) / 2 = 0.0090333, std 0.0950438
     adv, ret = compute_reinforce_pp_advantage(t([[0, 0, 1]]), torch.ones(1, 3), gamma=0.9)
-    assert_close(adv, t([[0.81, 0.9, 1.0]]))
-    assert_close(ret, adv)
+    assert_close(ret, t([[0.81, 0.9, 1.0]]))
+    assert_close(adv, t([[-0.98200, -0.03507, 1.01707]]), atol=1e-4, rtol=0)
 
 
 def test_reinforce_pp_skips_masked_tokens_in_the_middle_and_at_the_end():
-    # gamma 0.5 over valid rewards [1, 0, 2]: [1 + 0.5*1, 0 + 0.5*2, 2] = [1.5, 1, 2]
+    # gamma 0.5 over valid rewards [1, 0, 2]: [1 + 0.5*1, 0 + 0.5*2, 2] = [1.5, 1, 2]; whitened: mean 1.5,
+    # unbiased std sqrt((0 + 0.25 + 0.25) / 2) = 0.5 → [0, −1, 1]; masked tokens 0
     mask = torch.tensor([[1, 0, 1, 1, 0]])
-    adv, _ = compute_reinforce_pp_advantage(t([[1, 7, 0, 2, 7]]), mask, gamma=0.5)
-    assert_close(adv, t([[1.5, 0, 1, 2, 0]]))
+    adv, ret = compute_reinforce_pp_advantage(t([[1, 7, 0, 2, 7]]), mask, gamma=0.5)
+    assert_close(ret, t([[1.5, 0, 1, 2, 0]]))
+    assert_close(adv, t([[0, 0, -1, 1, 0]]), atol=1e-6, rtol=0)
 
 
 def test_remax_subtracts_the_greedy_baseline_from_the_return_to_go():
@@ -125,10 +128,10 @@ ONE = torch.ones(6, 1)
 
 
 def test_grpo_normalises_by_group_mean_and_unbiased_std():
-    # a: mean 2, std sqrt((1 + 0 + 1) / 2) = 1; b: mean 2, std sqrt((4 + 4) / 1) = sqrt(8); c alone: raw 0.7
+    # a: mean 2, std sqrt((1 + 0 + 1) / 2) = 1; b: mean 2, std sqrt((4 + 4) / 1) = sqrt(8); c alone: mean 0, std 1
     adv, ret = compute_grpo_advantage(SCORES, ONE, IDS)
     b = 2 / (math.sqrt(8) + 1e-6)
-    assert_close(adv, t([[-1 / (1 + 1e-6)], [-b], [0], [b], [1 / (1 + 1e-6)], [0.7]]))
+    assert_close(adv, t([[-1 / (1 + 1e-6)], [-b], [0], [b], [1 / (1 + 1e-6)], [0.7 / (1 + 1e-6)]]))
     assert_close(ret, adv)
 
 
@@ -144,9 +147,11 @@ def test_grpo_scores_sum_valid_tokens_and_broadcast_over_them():
     assert_close(adv, t([[-a, -a, 0], [a, a, a]]))
 
 
-def test_grpo_group_of_one_keeps_its_raw_score():
-    adv, _ = compute_grpo_advantage(t([[0, 0.3], [0.4, 0]]), torch.ones(2, 2), ["x", "y"])
-    assert_close(adv, t([[0.3, 0.3], [0.4, 0.4]]))
+def test_grpo_group_of_one_uses_mean_0_and_std_1():
+    adv, _ = compute_grpo_advantage(t([[0, 0.3], [0.4, 0]]), torch.ones(2, 2), ["x", "y"], eps=0.5)
+    assert_close(adv, t([[0.2, 0.2], [0.4 / 1.5, 0.4 / 1.5]]))  # score / (1 + eps)
+    adv, _ = compute_grpo_advantage(t([[0, 0.3], [0.4, 0]]), torch.ones(2, 2), ["x", "y"], norm_by_std=False)
+    assert_close(adv, t([[0.3, 0.3], [0.4, 0.4]]))  # Dr. GRPO: score − 0
 
 
 def test_grpo_and_rloo_give_exactly_zero_when_a_group_scores_all_equal():

@@ -164,8 +164,13 @@ def test_entropy_is_stable_for_huge_logits():
 
 
 # ----------------------------------------------------------------------------- registry
-def test_vanilla_policy_loss_is_registered():
-    assert get_policy_loss("vanilla") is policy_loss
+def test_vanilla_policy_loss_is_policy_loss_called_with_keyword_settings():
+    old, new = ratios(1.5, 0.5)
+    advantages, mask = torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)
+    settings = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "gspo_clip_ratio_low": 3e-4, "num_seqs": None}
+    loss, _ = get_policy_loss("vanilla")(old, new, advantages, mask, **settings)
+    assert_close(loss, policy_loss(old, new, advantages, mask, 0.2, 0.28)[0])
+    assert_close(loss, torch.tensor((-1.28 + 0.8) / 2))
 
 
 def test_a_user_policy_loss_can_be_registered_and_unknown_names_are_listed():
@@ -176,5 +181,6 @@ def test_a_user_policy_loss_can_be_registered_and_unknown_names_are_listed():
         return -(advantages * log_prob).mean(), {}
 
     assert get_policy_loss(name) is reinforce
-    with pytest.raises(ValueError, match=r"unknown policy loss 'clipped'; registered: .*vanilla"):
+    listing = r"unknown policy loss \(actor.policy_loss\) 'clipped'; registered: .*cispo, gspo, gspo_token, .*vanilla"
+    with pytest.raises(ValueError, match=listing):
         get_policy_loss("clipped")

@@ -1,0 +1,68 @@
+"""Rollout–training mismatch: how far the rollout engine's log-probs are from the training engine's, and
+truncated importance sampling (TIS) that corrects the policy gradient for it.
+
+The rollout engine (vLLM, a compiled decode loop, another dtype) samples from π_rollout, which is not quite the
+training engine's π_old. TIS (Yao et al. 2025, https://fengyao.notion.site/off-policy-rl) weights each token's
+loss by min(π_old/π_rollout, threshold), detached; `sequence` uses one weight per sequence, the product of its
+token ratios (unbiased, higher variance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ketch.algorithms._checks import check_same_shape
+from ketch.algorithms.masked import masked_mean
+
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+def rollout_is_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    threshold: float,
+) -> torch.Tensor:
+    """Truncated importance weights `[batch, response_len]`, detached, 0 at masked tokens.
+
+    `token`: w_t = min(exp(old_log_prob − rollout_log_probs), threshold); `sequence`: every token of a sequence
+    gets min(exp(Σ_t (old_log_prob − rollout_log_probs)), threshold). Log-ratios are clamped to ±20 before exp.
+    """
+    check_same_shape(
+        "rollout_is_weights", old_log_prob=old_log_prob, rollout_log_probs=rollout_log_probs, mask=response_mask
+    )
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"unknown rollout_is level {level!r} (actor.rollout_is); choose token or sequence")
+    if threshold <= 0:
+        raise ValueError(f"rollout_is_threshold (actor.rollout_is_threshold) must be > 0, got {threshold}")
+    valid = response_mask.bool()
+    log_ratio = torch.where(valid, old_log_prob - rollout_log_probs, 0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    weights = log_ratio.clamp(-20, 20).exp().clamp(max=threshold)
+    return torch.where(valid, weights, 0).detach()
+
+
+def rollout_mismatch_metrics(
+    old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How the rollout engine's token probabilities differ from the training engine's, over valid tokens.
+
+    `training/rollout_probs_diff_max` / `_mean`: max and mean of |p_train − p_rollout| (probabilities of the
+    sampled tokens, as verl logs them); `training/rollout_kl`: the k3 estimate of KL(π_rollout ‖ π_train) per
+    token (the samples come from the rollout), exp(d) − d − 1 with d = old_log_prob − rollout_log_probs.
+    """
+    check_same_shape(
+        "rollout_mismatch_metrics", old_log_prob=old_log_prob, rollout_log_probs=rollout_log_probs, mask=response_mask
+    )
+    valid = response_mask.bool()
+    if not valid.any():
+        return {}
+    diff = (old_log_prob.exp() - rollout_log_probs.exp()).abs()[valid]
+    d = torch.where(valid, old_log_prob - rollout_log_probs, 0).clamp(-20, 20)
+    return {
+        "training/rollout_probs_diff_max": diff.max().item(),
+        "training/rollout_probs_diff_mean": diff.mean().item(),
+        "training/rollout_kl": masked_mean(d.exp() - d - 1, valid).item(),
+    }

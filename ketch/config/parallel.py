@@ -1,0 +1,114 @@
+"""Checks of the training strategy (`actor.strategy`, `critic.strategy`) and Megatron model parallelism.
+
+`megatron_problems` needs the config alone and runs with the other checks when the config loads;
+`check_megatron_start` also needs the model's Hugging Face config and this machine (megatron-core installed,
+a GPU visible), so the trainers call it at start-up, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from ketch.config.errors import ConfigError
+from ketch.config.schema import KetchConfig, MegatronConfig
+
+
+def megatron_roles(config: KetchConfig) -> dict[str, MegatronConfig]:
+    """The trained roles with `strategy=megatron`, by config section name (the reference follows the actor)."""
+    roles = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
+    return {name: role.megatron for name, role in roles.items() if role.strategy == "megatron"}
+
+
+def megatron_problems(config: KetchConfig) -> list[str]:
+    """What in the config alone stops a Megatron run: sizes, device, and roles whose sizes disagree."""
+    roles = megatron_roles(config)
+    problems = [p for name, m in roles.items() for p in _sizes(name, m)]
+    if "actor" in roles and config.rollout.check_weight_sync:
+        problems.append("rollout.check_weight_sync reads FSDP parameters; turn it off with actor.strategy=megatron")
+    if roles and config.trainer.device == "cpu":
+        problems.append(f"{next(iter(roles))}.strategy=megatron trains on GPUs only, but trainer.device=cpu")
+    gpus = config.num_processes(gpu_visible=True)
+    for name, m in roles.items():
+        if m.model_parallel_size >= 1 and gpus % m.model_parallel_size:
+            problems.append(
+                f"{name}.megatron.tensor_model_parallel_size x pipeline_model_parallel_size = "
+                f"{m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size} does not divide the "
+                f"{gpus} GPUs (trainer.nnodes x trainer.n_gpus_per_node)"
+            )
+    if config.use_critic:
+        sizes = {n: r.megatron.model_parallel_size if r.strategy == "megatron" else 1 for n, r in _trained(config)}
+        if sizes["actor"] != sizes["critic"]:
+            problems.append(
+                f"actor and critic need the same data-parallel size, but their tensor x pipeline sizes are {sizes}; "
+                "give both the same strategy and megatron sizes"
+            )
+    return problems
+
+
+def _trained(config: KetchConfig) -> list[tuple[str, Any]]:
+    return [("actor", config.actor)] + ([("critic", config.critic)] if config.use_critic else [])
+
+
+def _sizes(name: str, m: MegatronConfig) -> list[str]:
+    key = f"{name}.megatron"
+    problems = []  # the sizes themselves are >= 1: validate.RANGES checks them first
+    if (m.virtual_pipeline_model_parallel_size or 1) > 1 and m.pipeline_model_parallel_size < 2:
+        problems.append(
+            f"{key}.virtual_pipeline_model_parallel_size={m.virtual_pipeline_model_parallel_size} interleaves "
+            f"pipeline stages, but {key}.pipeline_model_parallel_size={m.pipeline_model_parallel_size}; "
+            "set the pipeline size >= 2 or the virtual size to null"
+        )
+    if m.sequence_parallel and m.tensor_model_parallel_size < 2:
+        problems.append(
+            f"{key}.sequence_parallel=true splits activations over tensor-parallel ranks, but "
+            f"{key}.tensor_model_parallel_size={m.tensor_model_parallel_size}; set it >= 2 or turn it off"
+        )
+    return problems
+
+
+def check_megatron_start(config: KetchConfig, model_config: Any, gpu_visible: bool) -> None:
+    """Raise `ConfigError` when a Megatron role cannot start here: megatron-core missing, no GPU, or sizes
+    that do not fit the model (`model_config`: the Hugging Face config of the trained model)."""
+    roles = megatron_roles(config)
+    if not roles:
+        return
+    first = next(iter(roles))
+    problems = []
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        problems.append(
+            f"{first}.strategy=megatron needs megatron-core, which is not installed: pip install 'ketch[megatron]'"
+        )
+    if not config.uses_gpu(gpu_visible):
+        problems.append(f"{first}.strategy=megatron trains on GPUs only, and this machine shows none (trainer.device)")
+    for name, m in roles.items():
+        problems += _model_fit(name, m, model_config)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _model_fit(name: str, m: MegatronConfig, model_config: Any) -> list[str]:
+    tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    layers = model_config.num_hidden_layers
+    key = f"{name}.megatron"
+    problems = [
+        f"{key}.tensor_model_parallel_size={tp} does not divide the model's {what}={count}; pick a divisor of it"
+        for what, count in (
+            ("num_attention_heads", heads),
+            ("num_key_value_heads", kv_heads),
+            ("vocab_size", model_config.vocab_size),
+        )
+        if count % tp
+    ]
+    if pp > layers:
+        problems.append(
+            f"{key}.pipeline_model_parallel_size={pp} is larger than the model's {layers} layers (num_hidden_layers)"
+        )
+    elif layers % (pp * (vpp or 1)):
+        problems.append(
+            f"{key}.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {pp} x {vpp or 1} does not "
+            f"divide the model's {layers} layers (num_hidden_layers)"
+        )
+    return problems

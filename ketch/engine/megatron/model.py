@@ -1,0 +1,120 @@
+"""An HF Llama/Qwen2 config as a Megatron-Core `TransformerConfig` and the `GPTModel` chunks of this rank.
+
+Only Megatron-Core's own modules are used (its local layer spec: Megatron's dot-product attention, with the
+torch RMSNorm below), so neither Transformer Engine nor Apex is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from ketch.config.schema import MegatronConfig
+from ketch.engine.megatron.weights import ModelShape, rope_settings
+
+
+def transformer_config(
+    hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype, recompute: bool = False
+) -> TransformerConfig:
+    """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes. Parameters (and
+    activations between pipeline stages) stay float32; with `dtype` bfloat16/float16 the schedules run the
+    forward under autocast (as the FSDP engine's mixed precision); `recompute`: full activation recomputation."""
+    shape = ModelShape.from_hf(hf_config)
+    recompute_kwargs = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        tensor_model_parallel_size=megatron.tensor_model_parallel_size,
+        pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size,
+        sequence_parallel=megatron.sequence_parallel,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        enable_autocast=dtype != torch.float32,
+        autocast_dtype=dtype,
+        use_cpu_initialization=True,
+        calculate_per_token_loss=True,  # ketch's losses are already shares of the mini-batch mean: no rescaling
+        # With two stages, a stage's previous and next peer are one rank; Megatron's even/odd ordered sends
+        # keep activations and gradients apart there, which a single batched exchange does not.
+        batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,
+        **(recompute_kwargs if recompute else {}),
+    )
+
+
+class ValueHead(torch.nn.Linear):
+    """A critic's scalar head in the output layer's place (called like it): replicated over tensor ranks, so
+    with sequence parallelism the positions are gathered first. Parameters `output_layer.{weight,bias}`."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__(hidden_size, 1)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return super().forward(hidden_states), None
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm, built as Megatron builds its norms. It acts position by position, so it runs on
+    sequence-parallel activations as well (Megatron's own torch wrapper refuses them); its weight is then
+    flagged `sequence_parallel` so that the engine sums its gradient over the tensor ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: Any):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None) -> TransformerBlockSubmodules:
+    """The local layer spec with `RMSNorm` before attention, before the MLP and after the last layer."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=RMSNorm)
+
+
+def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_head: bool = False) -> list[GPTModel]:
+    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights;
+    `value_head`: a critic, whose last chunk ends in a `ValueHead`."""
+    pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+    models = []
+    for vp_stage in range(chunks):
+        models.append(
+            GPTModel(
+                config,
+                block_spec(config, pp_rank, vp_stage if config.virtual_pipeline_model_parallel_size else None),
+                vocab_size=hf_config.vocab_size,
+                max_sequence_length=hf_config.max_position_embeddings,
+                pre_process=pp_rank == 0 and vp_stage == 0,
+                post_process=pp_rank == pp - 1 and vp_stage == chunks - 1,
+                share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings) and not value_head,
+                position_embedding_type="rope",
+                vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None,
+                **rope_settings(hf_config),
+            )
+        )
+    if value_head and models[-1].post_process:
+        models[-1].output_layer = ValueHead(config.hidden_size, config.sequence_parallel)
+    return models

@@ -1,0 +1,19 @@
+"""GPU-only tests: skipped, with the reason, where torch sees fewer GPUs than a test needs (the CPU suite)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = torch.cuda.device_count()
+    for item in items:
+        needed = item.get_closest_marker("gpus")
+        count = needed.args[0] if needed else 1
+        if gpus < count:
+            item.add_marker(pytest.mark.skip(reason=f"needs {count} CUDA GPU(s), torch sees {gpus}"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpus(n): the test needs n CUDA GPUs")

@@ -1,0 +1,155 @@
+"""Same weights, same batch: the FSDP engine on one GPU and the Megatron engine with TP=2 and with PP=2 on two
+GPUs give the same log-probs, first-update `pg_loss` and `grad_norm`, within bf16 tolerances.
+
+The model has the Qwen2.5-0.5B shape (24 layers, width 896, 14 query / 2 key-value heads, tied 151,936-token
+vocabulary) with random weights stored in bf16, so both engines start from identical values. With
+KETCH_GPU_RESULTS=<dir> the measured differences are written there as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
+
+from ketch.config.schema import MegatronConfig, OptimConfig
+from ketch.protocol import DataProto
+
+ROWS, PROMPT, RESPONSE, MICRO = 16, 64, 64, 4
+TOLERANCE = {"log_prob_mean_abs": 0.02, "pg_loss_rel": 0.02, "grad_norm_rel": 0.03}
+"""bf16 compute (FSDP: bf16 parameters; Megatron: float32 parameters under bf16 autocast) against each other."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2.5-0.5b-shape")
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def batch() -> DataProto:
+    """Left-padded prompts, right-padded responses, advantages and an old policy a little off the current one."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 151000, (ROWS, PROMPT + RESPONSE), generator=g)
+    attention = torch.ones_like(ids)
+    for row in range(ROWS):
+        attention[row, : row * 3] = 0
+        attention[row, PROMPT + RESPONSE - row * 2 :] = 0
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "position_ids": positions,
+            "responses": ids[:, PROMPT:],
+            "response_mask": attention[:, PROMPT:],
+            "advantages": torch.randn(ROWS, RESPONSE, generator=g),
+            "old_log_prob_offset": 0.05 * torch.randn(ROWS, RESPONSE, generator=g),
+        }
+    )
+
+
+def pg_loss_fn(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+    """The actor's clipped PPO loss from ketch.algorithms, old log-probs = current + a fixed offset."""
+    from ketch.algorithms import get_policy_loss
+
+    b = micro.batch
+    old = out["log_prob"].detach() + b["old_log_prob_offset"]
+    loss, _ = get_policy_loss("vanilla")(
+        old, out["log_prob"], b["advantages"], b["response_mask"], num_tokens=num_tokens, num_seqs=num_seqs
+    )
+    return loss, {"pg_loss": loss.detach()}
+
+
+def _rank(rank: int, world: int, strategy: str, megatron: MegatronConfig | None, model_dir: str, out: str) -> None:
+    port = 29641 if megatron is None else 29642 + megatron.pipeline_model_parallel_size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from ketch.engine.distributed import init_process_group
+
+    device = torch.device("cuda", rank)
+    init_process_group(device)
+    optim = OptimConfig(lr=1e-6, grad_clip=1.0)
+    if strategy == "fsdp":
+        from ketch.engine.engine import TrainEngine
+        from ketch.engine.heads import PolicyModel
+        from ketch.models import load_causal_lm
+
+        lm = load_causal_lm(model_dir, torch.float32, "sdpa", False, {})
+        engine = TrainEngine(PolicyModel(lm), device, optim, param_dtype=torch.bfloat16)
+    else:
+        from transformers import AutoConfig
+
+        from ketch.engine.megatron.engine import MegatronEngine, hf_reader
+
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, device, optim, dtype=torch.bfloat16)
+    data = batch()
+    log_probs = engine.infer(data, MICRO, calc_entropy=True)
+    metrics = engine.train_mini_batch(data.split(MICRO), pg_loss_fn)
+    if rank == 0:
+        torch.save(({k: v.cpu() for k, v in log_probs.items()}, metrics), f"{out}/{strategy}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def run(strategy: str, world: int, model_dir: Path, out: Path, megatron: MegatronConfig | None = None):
+    mp.start_processes(_rank, args=(world, strategy, megatron, str(model_dir), str(out)), nprocs=world)
+    return torch.load(out / f"{strategy}.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(model_dir, tmp_path_factory):
+    """The FSDP engine on one GPU: log-probs and the first update's metrics."""
+    return run("fsdp", 1, model_dir, tmp_path_factory.mktemp("fsdp"))
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize(
+    "megatron",
+    [MegatronConfig(tensor_model_parallel_size=2), MegatronConfig(pipeline_model_parallel_size=2)],
+    ids=["tp2", "pp2"],
+)
+def test_first_update_agrees_with_fsdp(model_dir, fsdp_run, tmp_path, megatron):
+    fsdp_lp, fsdp = fsdp_run
+    mega_lp, mega = run("megatron", 2, model_dir, tmp_path, megatron)
+    mask = batch().batch["response_mask"].bool()
+    diff = (mega_lp["log_prob"] - fsdp_lp["log_prob"])[mask].abs()
+    figures = {
+        "grid": f"tp{megatron.tensor_model_parallel_size}-pp{megatron.pipeline_model_parallel_size}",
+        "log_prob_mean_abs": diff.mean().item(),
+        "log_prob_max_abs": diff.max().item(),
+        "entropy_mean_abs": (mega_lp["entropy"] - fsdp_lp["entropy"])[mask].abs().mean().item(),
+        "pg_loss": {"fsdp": fsdp["pg_loss"], "megatron": mega["pg_loss"]},
+        "grad_norm": {"fsdp": fsdp["grad_norm"], "megatron": mega["grad_norm"]},
+        "pg_loss_rel": abs(mega["pg_loss"] - fsdp["pg_loss"]) / abs(fsdp["pg_loss"]),
+        "grad_norm_rel": abs(mega["grad_norm"] - fsdp["grad_norm"]) / fsdp["grad_norm"],
+        "tolerance": TOLERANCE,
+    }
+    if results := os.environ.get("KETCH_GPU_RESULTS"):
+        Path(results).mkdir(parents=True, exist_ok=True)
+        (Path(results) / f"megatron_vs_fsdp_{figures['grid']}.json").write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures))
+    assert figures["log_prob_mean_abs"] < TOLERANCE["log_prob_mean_abs"]
+    assert figures["pg_loss_rel"] < TOLERANCE["pg_loss_rel"]
+    assert figures["grad_norm_rel"] < TOLERANCE["grad_norm_rel"]

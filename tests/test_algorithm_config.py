@@ -1,0 +1,20 @@
+"""Config keys of the algorithms (policy loss, rollout correction, DAPO): bad values stop at load with the keys."""
+
+import pytest
+
+from ketch.config import ConfigError, load_config
+
+
+def test_an_unknown_policy_loss_lists_the_registered_ones_at_load():
+    with pytest.raises(ConfigError, match=r"actor.policy_loss=ppo2: unknown .*registered: cispo, gspo, gspo_token"):
+        load_config(overrides=["actor.policy_loss=ppo2"])
+
+
+def test_an_unknown_estimator_lists_the_registered_ones_at_load():
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator=grpoo: .*reinforce_plus_plus_baseline"):
+        load_config(overrides=["algorithm.adv_estimator=grpoo"])
+
+
+def test_rollout_is_cannot_skip_the_old_log_prob_pass():
+    with pytest.raises(ConfigError, match=r"actor.rollout_is needs .* set actor.recompute_old_log_prob=null"):
+        load_config(overrides=["actor.rollout_is=token", "actor.recompute_old_log_prob=false"])

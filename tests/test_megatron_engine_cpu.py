@@ -1,0 +1,232 @@
+"""The Megatron engine on CPU processes (gloo) against a plain HF model: log-probs, entropy, the first update's
+loss and gradient norm, the log-probs after the step, the HF export and a checkpoint round trip, for tensor
+and sequence parallelism over two data-parallel ranks, and for interleaved pipeline parallelism (tied
+embeddings).
+
+Megatron-Core hard-wires CUDA in a few places that do no arithmetic: buffer and RNG-tracker placement
+(`torch.cuda.current_device`, the CUDA RNG tracker's fork), a tied embedding's first sync (`Tensor.cuda`),
+a stream sync after pipeline sends (`torch.cuda.synchronize`) and the schedules' token counter
+(`device="cuda"`). `_run_megatron_on_cpu` points those at the CPU; the model, schedules, collectives and the
+engine's own code run as they are. `tests/gpu/` runs the same comparison unpatched on GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
+
+from ketch.config.schema import MegatronConfig, OptimConfig
+from ketch.data import build_char_tokenizer
+from ketch.models import save_tiny_model
+from ketch.protocol import DataProto
+
+RESPONSE = 5
+
+
+def batch(vocab: int) -> DataProto:
+    """4 sequences of 12 tokens (the last 5 the response): two left-padded prompts, one response padded."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, vocab, (4, 12))
+    attention = torch.ones(4, 12, dtype=torch.long)
+    attention[0, :3] = attention[1, :1] = attention[2, 10:] = 0
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "position_ids": positions,
+            "responses": ids[:, -RESPONSE:],
+            "response_mask": attention[:, -RESPONSE:],
+            "advantages": torch.randn(4, RESPONSE),
+        }
+    )
+
+
+def policy_loss(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+    """-advantage x log-prob, token mean over the mini-batch (the counts are mini-batch totals)."""
+    mask = micro.batch["response_mask"]
+    return -(out["log_prob"] * micro.batch["advantages"] * mask).sum() / num_tokens, {}
+
+
+def _run_megatron_on_cpu() -> None:
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.tensor_parallel.random as tp_random
+    import megatron.core.transformer.dot_product_attention as attention
+
+    import ketch.engine.megatron.engine as engine
+
+    class NoFork:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+        def get_states(self):
+            return {}
+
+        def set_states(self, states):
+            pass
+
+    class CpuTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def zeros(self, *args, **kwargs):
+            kwargs.pop("device", None)
+            return torch.zeros(*args, **kwargs)
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    tp_random.get_cuda_rng_tracker = attention.tensor_parallel.get_cuda_rng_tracker = lambda *a, **k: NoFork()
+    engine.tensor_parallel = type(
+        "TP", (), {"get_cuda_rng_tracker": NoFork, "model_parallel_cuda_manual_seed": lambda seed: None}
+    )
+    schedules.torch = CpuTorch()
+
+
+def _rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    _run_megatron_on_cpu()
+    from megatron.core import parallel_state
+    from transformers import AutoConfig
+
+    from ketch.engine.megatron.engine import MegatronEngine, hf_reader
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    optim = OptimConfig(lr=1e-3, grad_clip=0.0)
+    engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, torch.device("cpu"), optim, seed=0)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    mine = batch(hf_config.vocab_size).chunk(dp_size)[dp_rank]
+    before = engine.infer(mine, 3, calc_entropy=True)  # uneven micro-batches (3 + 1 rows) where 4 rows
+    exported = dict(engine.full_parameters(dtype=torch.float32))
+    engine.save_checkpoint(Path(out) / "ckpt", {"update_count": 0})
+    metrics = engine.train_mini_batch(mine.split(3), policy_loss)  # uneven: the pipeline pads with loss-free rows
+    after = engine.infer(mine, 2)["log_prob"]
+    restored = engine.load_checkpoint(Path(out) / "ckpt")
+    again = engine.infer(mine, None)["log_prob"]  # one micro-batch (the interleaved schedule gets a filler)
+    result = (dp_rank, before, metrics, after, torch.equal(again, before["log_prob"]), restored)
+    torch.save((*result, exported if rank == 0 else None), f"{out}/{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def reference(model_dir: Path) -> tuple[dict, float, float, torch.Tensor, dict]:
+    """The same batch and update on the plain HF model in one process."""
+    from transformers import AutoModelForCausalLM
+
+    from ketch.engine.heads import PolicyModel
+
+    model = PolicyModel(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32))
+    b = batch(model.lm.config.vocab_size).batch
+    inputs = (b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE)
+    out = model(*inputs, calc_entropy=True)
+    loss = -(out["log_prob"] * b["advantages"] * b["response_mask"]).sum() / b["response_mask"].sum()
+    loss.backward()
+    grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item()
+    weights = {k: v.detach().clone() for k, v in model.lm.state_dict().items()}
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    with torch.no_grad():
+        after = model(*inputs)["log_prob"]
+    return {k: v.detach() for k, v in out.items()}, loss.item(), grad_norm, after, weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("megatron", "world", "layers", "port"),
+    [
+        (MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2, 29621),  # TP 2 x DP 2
+        (MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2, 4, 29622),
+    ],
+    ids=["tp2-sp-dp2", "pp2-vpp2"],
+)
+def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, world, layers, port):
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": layers, "max_positions": 64}
+    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)  # tied embeddings, GQA 4/2
+    mp.start_processes(_rank, args=(world, megatron, str(model_dir), port, str(tmp_path)), nprocs=world)
+    out, loss, grad_norm, after, weights = reference(model_dir)
+    mask = batch(100).batch["response_mask"].bool()
+    dp_size = world // megatron.model_parallel_size
+    for rank in range(world):
+        dp_rank, before, metrics, after_step, restored, extra, exported = torch.load(
+            tmp_path / f"{rank}.pt", weights_only=False
+        )
+        rows = slice(dp_rank * 4 // dp_size, (dp_rank + 1) * 4 // dp_size)
+        m = mask[rows]
+        for key in ("log_prob", "entropy"):
+            torch.testing.assert_close(before[key][m], out[key][rows][m], rtol=0, atol=1e-5)
+        assert metrics["loss"] == pytest.approx(loss, abs=1e-5)  # summed over micro-batches and data ranks
+        assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        torch.testing.assert_close(after_step[m], after[rows][m], rtol=0, atol=1e-4)
+        assert restored and extra == {"update_count": 0}
+        if exported is not None:
+            assert exported.keys() == weights.keys()
+            assert all(torch.equal(exported[k], weights[k]) for k in weights)
+    # `ketch export`'s merge of the checkpoint (written before the update) on the CPU, without a process group
+    from transformers import AutoConfig
+
+    from ketch.engine.export import load_checkpoint_state
+
+    AutoConfig.from_pretrained(model_dir).save_pretrained(tmp_path / "ckpt" / "hf")
+    merged = load_checkpoint_state(tmp_path / "ckpt")
+    assert merged.keys() == weights.keys() - {"lm_head.weight"}  # tied: written once, as the embedding
+    assert all(torch.equal(merged[k], weights[k]) for k in merged)
+
+
+def value_loss(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
+    """Squared error to the advantages used as returns, token mean over the mini-batch."""
+    mask = micro.batch["response_mask"]
+    return ((out["values"] - micro.batch["advantages"]) ** 2 * mask).sum() / num_tokens, {}
+
+
+def _critic(model_dir: Path):
+    from ketch.models import load_critic
+
+    torch.manual_seed(3)  # the fresh value head: the same draw in every process
+    return load_critic(str(model_dir), torch.float32, "sdpa")
+
+
+def _critic_rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    _run_megatron_on_cpu()
+    from ketch.engine.megatron.engine import MegatronEngine
+
+    critic = _critic(Path(model_dir))
+    read, optim = critic.state_dict().__getitem__, OptimConfig(lr=1e-3, grad_clip=0.0)
+    engine = MegatronEngine(critic.config, read, megatron, torch.device("cpu"), optim, seed=0, value_head=True)
+    data = batch(critic.config.vocab_size)
+    values = engine.infer(data, 2)["values"]
+    metrics = engine.train_mini_batch(data.split(2), value_loss)
+    exported = dict(engine.full_parameters())
+    torch.save((values, metrics, exported), f"{out}/critic{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_megatron_critic_matches_the_hf_value_model(tmp_path):
+    from ketch.engine.heads import ValueModel
+
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "max_positions": 64}
+    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)
+    megatron = MegatronConfig(tensor_model_parallel_size=2)
+    mp.start_processes(_critic_rank, args=(2, megatron, str(model_dir), 29623, str(tmp_path)), nprocs=2)
+    model = ValueModel(_critic(model_dir))
+    weights = {k: v.detach().clone() for k, v in model.critic.state_dict().items()}
+    b = batch(model.critic.config.vocab_size).batch
+    values = model(b["input_ids"], b["attention_mask"], b["position_ids"], RESPONSE)["values"]
+    mask = b["response_mask"]
+    loss = ((values - b["advantages"]) ** 2 * mask).sum() / mask.sum()
+    loss.backward()
+    grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None)).item()
+    for rank in range(2):
+        got, metrics, exported = torch.load(tmp_path / f"critic{rank}.pt", weights_only=False)
+        torch.testing.assert_close(got[mask.bool()], values.detach()[mask.bool()], rtol=0, atol=1e-5)
+        assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        assert exported.keys() == weights.keys()  # model.* and score.{weight,bias}, as the HF critic
