@@ -57,7 +57,7 @@ def test_without_retries_a_failure_ends_the_run_with_a_summary(tiny_config, monk
     with pytest.raises(RunFailedError) as err:
         trainer.fit()
     assert "the run failed 1 time(s), more than trainer.max_retries=0 allows" in str(err.value)
-    assert "step 2: actor_rollout rank 0: WorkerError" in str(err.value)
+    assert "step 2: actor_rollout rank 0: update_actor raised OutOfMemoryError: CUDA out of memory." in str(err.value)
     assert (trainer.run_dir / "checkpoints" / "global_step_1").is_dir(), "checkpoint_on_failure saved step 1"
 
 

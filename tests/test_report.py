@@ -142,7 +142,9 @@ def test_a_run_that_fails_for_good_still_writes_its_report(tiny_model_dir, task_
         trainer.fit()
     summary = (trainer.run_dir / "summary.txt").read_text()
     assert "status: failed after step 1 of 3: 1 failure(s), 0 recovered" in summary
-    assert "failure at step 2: actor_rollout rank 0: WorkerError" in summary
+    assert (
+        "failure at step 2: actor_rollout rank 0: update_actor raised OutOfMemoryError: CUDA out of memory" in summary
+    )
     assert (trainer.run_dir / "report.html").is_file() and (trainer.run_dir / "plots" / "reward.png").is_file()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 
 from ketch.report.plots import VALIDATION
@@ -22,6 +24,7 @@ def summarize(run: RunRecord) -> str:
     failures = [e for e in run.events if e["event"] == "failure"]
     for f in failures:
         lines.append(f"failure at step {f.get('step')}: {f.get('role')} rank {f.get('rank')}: {f.get('error')}")
+        lines += [textwrap.indent(f["traceback"], "    ")] if f.get("traceback") else []
     return "\n".join(lines) + "\n"
 
 
