@@ -20,10 +20,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
     from ketch.rollout.vllm_adapter import VLLMUnavailableError
     from ketch.tracking import TrackerError
+    from ketch.trainer.checkpoint import CheckpointError
     from ketch.trainer.loop import RunFailedError
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
+    run_errors += (CheckpointError,)
     return (*USER_ERRORS, *data_errors, *run_errors)
 
 

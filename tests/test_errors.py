@@ -6,12 +6,21 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from ketch.config import to_yaml
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.ppo import PPOTrainer
 from ketch.workers import ActorRolloutRefWorker
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def failure_events(run_dir) -> list[dict]:
@@ -44,3 +53,44 @@ def test_a_worker_failure_carries_its_cause_everywhere_and_leaves_no_step_0_chec
     assert "ValueError: prompt 3 has no tokens" in (trainer.run_dir / "report.html").read_text()
     # the untrained model is not saved as step 0, so the next plain run starts fresh instead of resuming from it
     assert trainer.checkpoints.complete() == []
+
+
+def run_cli(*args: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m ketch *args` in a fresh process; `file_size_limit` caps every file it writes (RLIMIT_FSIZE, with
+    SIGXFSZ ignored so that a write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
+
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by this process's runs
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous} | {
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "ketch", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit if file_size_limit else None
+    )
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_says_so_keeps_the_previous_checkpoint_and_writes_the_report(tiny_config, tmp_path):
+    """A real failed write: the second run may write no file over 300 kB (RLIMIT_FSIZE); a checkpoint shard of the
+    tiny model is ~460 kB, report.html ~160 kB."""
+    config = tiny_config("trainer.total_steps=1")
+    PPOTrainer(config).fit()  # global_step_1, written without a limit
+    (tmp_path / "run.yaml").write_text(to_yaml(config).replace("total_steps: 1\n", "total_steps: 2\n"))
+    result = run_cli("train", "--config-path", str(tmp_path / "run.yaml"), file_size_limit=300_000)
+    run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    message = result.stderr.split("ketch train: error: ", 1)[1]
+    assert message.startswith(f"could not write the checkpoint of step 2 to {run_dir.resolve() / 'checkpoints'}")
+    assert "File too large" in message and " bytes (" in message and "GiB) are free on" in message
+    assert f"{run_dir / 'checkpoints' / 'global_step_1'} stays the latest checkpoint" in message
+    assert (run_dir / "checkpoints" / "latest").read_text() == "global_step_1"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["global_step_1", "latest"]
+    summary = (run_dir / "summary.txt").read_text()
+    assert "failure at step 2: driver rank None: CheckpointError: could not write the checkpoint of step 2" in summary
+    assert "CheckpointError" in (run_dir / "report.html").read_text()

@@ -29,16 +29,17 @@ def summarize(run: RunRecord) -> str:
 
 
 def status(run: RunRecord) -> str:
-    """finished / failed / stopped, with the last step reached."""
+    """finished / failed / stopped, with the last step reached (a resumed run is judged by its latest events)."""
     last = run.steps[-1]["step"] if run.steps else None
     of = f" of {run.total_steps}" if run.total_steps else ""
-    if run.count("end"):
+    latest = next((e["event"] for e in reversed(run.events) if e["event"] in ("end", "failure", "recovery")), None)
+    if latest == "end":
         return f"finished: {last} steps{of}"
+    if latest == "failure":
+        failures, recoveries = run.count("failure"), run.count("recovery")
+        return f"failed after step {last}{of}: {failures} failure(s), {recoveries} recovered (see below)"
     if not run.steps:
         return "no step recorded (the run stopped before its first step)"
-    failures, recoveries = run.count("failure"), run.count("recovery")
-    if failures > recoveries:
-        return f"failed after step {last}{of}: {failures} failure(s), {recoveries} recovered (see below)"
     return f"stopped after step {last}{of} without an end record (crashed, killed, or still running)"
 
 

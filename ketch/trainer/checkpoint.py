@@ -40,6 +40,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (disk full, I/O error); the message names the path, the free space
     and what to do. The previous checkpoint stays the one to resume from."""
 
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
 
 class CheckpointManager:
     def __init__(self, root: Path, keep: int | None = None, remote_dir: str | None = None):
@@ -72,16 +76,18 @@ class CheckpointManager:
     def discard(self, staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
-    def io_failure(self, staging: Path, step: int, err: BaseException) -> str:
-        """What to tell the user when writing the checkpoint of `step` into `staging` failed with `err`."""
+    def io_failure(self, step: int, err: BaseException) -> CheckpointError:
+        """What to tell the user when writing the checkpoint of `step` failed with `err`."""
         free = shutil.disk_usage(self.root).free
         latest = self.latest()
         kept = f"{latest} stays the latest checkpoint" if latest else "there is no earlier checkpoint"
-        return (
-            f"could not write the checkpoint of step {step} to {staging} ({_io_cause(err)}); {free} bytes "
+        return CheckpointError(
+            f"could not write the checkpoint of step {step} to {self.root / f'global_step_{step}'} "
+            f"({_io_cause(err)}); {free} bytes "
             f"({free / 1024**3:.2f} GiB) are free on {self.root}. {kept}. Free space (or set "
             "trainer.default_local_dir to a larger disk, or trainer.max_checkpoints_to_keep), then run the same "
-            "command again: it resumes from the latest checkpoint"
+            "command again: it resumes from the latest checkpoint",
+            step,
         )
 
     def complete(self) -> list[Path]:

@@ -25,7 +25,7 @@ from ketch.controller.errors import WorkerDiedError, WorkerError, describe, is_o
 from ketch.report import write_report
 from ketch.rollout import stop_token_ids
 from ketch.tracking import Tracker, info
-from ketch.trainer.checkpoint import CheckpointError, CheckpointManager, due, is_io_error, read_trainer_state
+from ketch.trainer.checkpoint import CheckpointManager, due, is_io_error, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
 
 logger = logging.getLogger("ketch")
@@ -164,7 +164,7 @@ class TrainingLoop:
         except BaseException as err:
             self.checkpoints.discard(staging)
             if is_io_error(err):
-                raise CheckpointError(self.checkpoints.io_failure(staging, self.step, err)) from err
+                raise self.checkpoints.io_failure(self.step, err) from err
             raise
         self.tracker.event("checkpoint", step=self.step, path=str(path))
         return path
@@ -207,7 +207,7 @@ class TrainingLoop:
         """Log `err` with its cause and traceback (the worker's own for a worker failure) and record it as a
         `failure` event."""
         failure = {
-            "step": self.step + 1,
+            "step": getattr(err, "step", self.step + 1),
             "role": getattr(err, "role", "driver"),
             "rank": getattr(err, "rank", None),
             "error": err.error if isinstance(err, WorkerError) else describe(err),
@@ -215,14 +215,10 @@ class TrainingLoop:
             "out_of_memory": is_out_of_memory(err),
         }
         self.failures.append(failure)
-        logger.error(
-            "step %d failed (%s rank %s): %s\n%s",
-            failure["step"],
-            failure["role"],
-            failure["rank"],
-            failure["error"],
-            failure["traceback"],
-        )
+        where = f"step {failure['step']} failed ({failure['role']} rank {failure['rank']}): {failure['error']}"
+        if isinstance(err, WorkerError):  # the driver's own errors reach the user whole as they propagate
+            where += "\n" + failure["traceback"]
+        logger.error(where)
         self.tracker.event("failure", **failure)
         return failure
 
