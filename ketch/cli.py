@@ -17,6 +17,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.controller.errors import WorkerError
     from ketch.data import DatasetError
     from ketch.models import ModelLoadError
+    from ketch.preflight import StartupError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
     from ketch.rollout.vllm_adapter import VLLMUnavailableError
     from ketch.tracking import TrackerError
@@ -25,7 +26,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
-    run_errors += (CheckpointError,)
+    run_errors += (CheckpointError, StartupError)
     return (*USER_ERRORS, *data_errors, *run_errors)
 
 

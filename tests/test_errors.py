@@ -13,8 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
+from ketch.cli import main
 from ketch.config import to_yaml
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.ppo import PPOTrainer
@@ -94,3 +96,76 @@ def test_a_failed_checkpoint_write_says_so_keeps_the_previous_checkpoint_and_wri
     summary = (run_dir / "summary.txt").read_text()
     assert "failure at step 2: driver rank None: CheckpointError: could not write the checkpoint of step 2" in summary
     assert "CheckpointError" in (run_dir / "report.html").read_text()
+
+
+def cli_error(capsys, *args: str) -> str:
+    """Run `ketch *args` in this process: it must exit 2 (a user error, no traceback); returns the message."""
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.split(f"ketch {args[0]}: error: ", 1)[1]
+
+
+def test_an_unwritable_output_dir_stops_the_run_before_any_model_loads(capsys, tmp_path, task_files):
+    blocker = tmp_path / "a-file"  # a directory cannot be made under a file, even by root
+    blocker.write_text("")
+    message = cli_error(
+        capsys,
+        "train",
+        f"model.path={tmp_path / 'no-model'}",  # checked after the output dir: this error must not come first
+        f"data.train_files=[{task_files['train']}]",
+        f"trainer.default_local_dir={blocker / 'runs'}",
+    )
+    assert message.startswith(f"cannot start the run:\n  - cannot write in {blocker} (Not a directory)")
+    assert "set trainer.default_local_dir to a directory you can write" in message
+
+
+def test_rollout_vllm_without_vllm_stops_the_run_before_any_model_loads(capsys, monkeypatch, tmp_path):
+    """Everything the run needs is imported already; the directories that hold vLLM's metadata leave sys.path."""
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not any(Path(p).glob("vllm*.dist-info"))])
+    message = cli_error(
+        capsys,
+        "train",
+        "rollout.name=vllm",
+        f"model.path={tmp_path / 'no-model'}",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+    )
+    assert message.startswith("cannot start the run:\n  - not installed, and rollout.name=vllm: pip install 'vllm>=")
+    assert message.endswith("or set rollout.name=hf\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_training_set_smaller_than_one_batch_is_a_one_line_error(capsys, tmp_path, tiny_model_dir, task_files):
+    rows = pq.read_table(task_files["train"]).slice(0, 5)
+    pq.write_table(rows, tmp_path / "five.parquet")
+    message = cli_error(
+        capsys,
+        "train",
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{tmp_path / 'five.parquet'}]",
+        "data.train_batch_size=8",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+    )
+    assert message == (
+        "the training set has 5 prompts, fewer than one batch (data.train_batch_size=8); lower the batch size "
+        "or add data\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_start_that_fails_after_the_run_directory_was_made_removes_it(capsys, tmp_path, tiny_model_dir, task_files):
+    """The workers start, then the checkpoint to resume from turns out not to exist."""
+    missing = tmp_path / "elsewhere" / "global_step_3"
+    message = cli_error(
+        capsys,
+        "train",
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{task_files['train']}]",
+        "data.train_batch_size=8",
+        "trainer.device=cpu",
+        "trainer.val_before_train=false",
+        f"trainer.resume_mode={missing}",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+    )
+    assert message.startswith(f"{missing} is not a complete ketch checkpoint")
+    assert not (tmp_path / "runs" / "arithmetic-ppo").exists()

@@ -12,6 +12,7 @@ from ketch.config import ConfigError, KetchConfig, to_dict
 from ketch.data import PreferenceDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_tokenizer
+from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
@@ -35,6 +36,7 @@ class RMTrainer:
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
+        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)

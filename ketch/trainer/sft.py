@@ -13,6 +13,7 @@ from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
+from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
@@ -31,6 +32,7 @@ class SFTTrainer:
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
+        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)
