@@ -13,11 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import pyarrow.parquet as pq
 import pytest
 
 from ketch.cli import main
-from ketch.config import to_yaml
+from ketch.config import DataConfig, to_yaml
+from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.ppo import PPOTrainer
 from ketch.workers import ActorRolloutRefWorker
@@ -169,3 +171,30 @@ def test_a_start_that_fails_after_the_run_directory_was_made_removes_it(capsys, 
     )
     assert message.startswith(f"{missing} is not a complete ketch checkpoint")
     assert not (tmp_path / "runs" / "arithmetic-ppo").exists()
+
+
+def test_train_files_take_a_directory_of_shards_a_glob_and_say_when_a_path_does_not_exist(tmp_path, task_files):
+    table = pq.read_table(task_files["train"]).slice(0, 9)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):  # rows 0-2, 3-5, 6-8
+        pq.write_table(table.slice(3 * i, 3), shards / f"part-{i:02d}.parquet")
+    (shards / "README.md").write_text("not data")
+    tokenizer, config = build_char_tokenizer(), DataConfig()
+    whole = RLHFDataset([str(shards)], tokenizer, config)
+    assert len(whole) == 9 and whole.rows.locate(7) == f"{shards / 'part-02.parquet'}, row 1"
+    unsharded = RLHFDataset([str(task_files["train"])], tokenizer, config)
+    assert [whole[i]["raw_prompt"] for i in range(9)] == [unsharded[i]["raw_prompt"] for i in range(9)]
+    picked = RLHFDataset([str(shards / "part-0[02].parquet")], tokenizer, config)
+    assert len(picked) == 6 and picked.rows.files == [str(shards / "part-00.parquet"), str(shards / "part-02.parquet")]
+    with fsspec.open("memory://bucket/data/a.parquet", "wb") as f:  # a URL directory (fsspec's in-memory store)
+        pq.write_table(table.slice(0, 4), f)
+    remote = RLHFDataset(["memory://bucket/data"], tokenizer, config)
+    assert len(remote) == 4 and remote.rows.files == ["memory:///bucket/data/a.parquet"]  # fsspec's spelling
+    with pytest.raises(DatasetError, match=rf"data file not found: {tmp_path / 'nope'}; check data.train_files"):
+        RLHFDataset([str(tmp_path / "nope")], tokenizer, config)
+    with pytest.raises(DatasetError, match=r"data file pattern .*part-9\*.parquet matches no file"):
+        RLHFDataset([str(shards / "part-9*.parquet")], tokenizer, config)
+    with pytest.raises(DatasetError, match=r"data directory .*empty holds no \*.parquet file"):
+        (tmp_path / "empty").mkdir()
+        RLHFDataset([str(tmp_path / "empty")], tokenizer, config)
