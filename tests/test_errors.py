@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -18,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ketch.cli import main
-from ketch.config import DataConfig, to_yaml
+from ketch.config import ConfigError, DataConfig, KetchConfig, load_config, to_yaml
+from ketch.config.validate import RANGES
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.ppo import PPOTrainer
@@ -198,3 +201,68 @@ def test_train_files_take_a_directory_of_shards_a_glob_and_say_when_a_path_does_
     with pytest.raises(DatasetError, match=r"data directory .*empty holds no \*.parquet file"):
         (tmp_path / "empty").mkdir()
         RLHFDataset([str(tmp_path / "empty")], tokenizer, config)
+
+
+def test_values_out_of_range_are_named_at_load_time(capsys):
+    message = cli_error(capsys, "config", "show", "actor.optim.lr=-1e-5", "algorithm.gamma=1.5", "rollout.top_p=0")
+    assert message == (
+        "invalid configuration:\n"
+        "  - actor.optim.lr=-1e-05 must be > 0\n"
+        "  - rollout.top_p=0.0 must be in (0, 1] (1 disables nucleus sampling)\n"
+        "  - algorithm.gamma=1.5 must be in [0, 1]\n"
+    )
+    inside = ["algorithm.gamma=1", "algorithm.lam=0", "rollout.top_p=1", "actor.clip_ratio_c=3", "reward.clip=null"]
+    assert load_config(overrides=inside).algorithm.gamma == 1.0
+    for bad, bound in [
+        ("actor.clip_ratio_low=1.0", "must be in [0, 1)"),  # 1 - clip_ratio_low would be 0
+        ("actor.clip_ratio_c=1", "must be > 1"),
+        ("critic.optim.betas=[0.9,1.0]", "must be in [0, 1)"),
+        ("rollout.temperature=.nan", "must be > 0"),
+        ("trainer.worker_timeout=0", "must be > 0"),
+        ("actor.megatron.tensor_model_parallel_size=0", "must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(f"{bad.split('=')[0]}=") + r".* " + re.escape(bound)):
+            load_config(overrides=[bad])
+
+
+def numeric_keys(section, prefix: str = "") -> list[str]:
+    """Every int/float key of the schema (lists of numbers and optional numbers included), dotted."""
+    keys = []
+    for f in dataclasses.fields(section):
+        value, kinds = getattr(section, f.name), re.findall(r"\b(int|float)\b", str(f.type))
+        if dataclasses.is_dataclass(value):
+            keys += numeric_keys(value, f"{prefix}{f.name}.")
+        elif kinds and "dict" not in str(f.type):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def test_every_numeric_key_has_a_range():
+    config = KetchConfig()
+    missing = []
+    for key in numeric_keys(config):
+        *sections, name = key.split(".")
+        section = functools.reduce(getattr, sections, config)
+        if name not in RANGES.get(type(section), {}):
+            missing.append(key)
+    assert missing == [], "give these keys a line in ketch/config/validate.py RANGES"
+    assert len(numeric_keys(config)) > 60  # the walk finds the schema's keys (a sanity check of the helper)
+
+
+def test_a_key_given_twice_is_reported(capsys, tmp_path, caplog):
+    (tmp_path / "run.yaml").write_text("trainer:\n  total_steps: 3\n")
+    with caplog.at_level(logging.INFO, logger="ketch"):
+        config = load_config(tmp_path / "run.yaml", ["trainer.total_steps=7"])
+    assert config.trainer.total_steps == 7
+    assert f"trainer.total_steps=7 from the command line replaces 3 from {tmp_path / 'run.yaml'}" in caplog.text
+    twice = "trainer.total_steps is given twice on the command line (3, then 4); give it once\n"
+    assert cli_error(capsys, "config", "show", "trainer.total_steps=3", "--trainer.total_steps", "4") == twice
+    assert cli_error(capsys, "config", "show", "trainer={total_steps: 3}", "trainer.total_steps=4") == twice
+    (tmp_path / "run.yaml").write_text(
+        "trainer:\n  total_steps: 3\n  seed: 2\ndata:\n  shuffle: false\ntrainer:\n  seed: 5\n"
+    )
+    message = cli_error(capsys, "config", "show", "--config-path", str(tmp_path / "run.yaml"))
+    assert message == f"config file {tmp_path / 'run.yaml'} gives trainer twice (lines 1 and 6); give each key once\n"
+    (tmp_path / "run.yaml").write_text("trainer:\n  total_steps: 3\n  total_steps: 4\n")
+    message = cli_error(capsys, "config", "show", "--config-path", str(tmp_path / "run.yaml"))
+    assert message.endswith("gives trainer.total_steps twice (lines 2 and 3); give each key once\n")
