@@ -104,10 +104,11 @@ def test_a_failed_checkpoint_write_says_so_keeps_the_previous_checkpoint_and_wri
 
 
 def cli_error(capsys, *args: str) -> str:
-    """Run `ketch *args` in this process: it must exit 2 (a user error, no traceback); returns the message."""
+    """Run `ketch *args` in this process: it must exit 2 (a user error) with no traceback through ketch's own
+    code (a user's reward function shows its own); returns the message."""
     assert main(list(args)) == 2
     err = capsys.readouterr().err
-    assert "Traceback" not in err
+    assert f'File "{ROOT / "ketch"}' not in err
     return err.split(f"ketch {args[0]}: error: ", 1)[1]
 
 
@@ -266,3 +267,32 @@ def test_a_key_given_twice_is_reported(capsys, tmp_path, caplog):
     (tmp_path / "run.yaml").write_text("trainer:\n  total_steps: 3\n  total_steps: 4\n")
     message = cli_error(capsys, "config", "show", "--config-path", str(tmp_path / "run.yaml"))
     assert message.endswith("gives trainer.total_steps twice (lines 2 and 3); give each key once\n")
+
+
+def test_a_reward_function_that_raises_shows_its_traceback_and_the_sample(capsys, tmp_path, tiny_config, task_files):
+    scorer = tmp_path / "my_reward.py"
+    scorer.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    rules = {}\n"
+        "    return rules[ground_truth]\n"
+    )
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(to_yaml(tiny_config(f"reward.function={scorer}:score")))
+    message = cli_error(capsys, "train", "--config-path", str(config_file))
+    head, sample, scorer_traceback = re.split(r"\nthe sample:\n|\nthe scorer's traceback:\n", message)
+    assert re.fullmatch(
+        rf"reward scorer reward.function={scorer}:score failed on sample 0 "
+        r"\(data_source='ketch/arithmetic'\): KeyError: '\d+'",
+        head,
+    )
+    fields = dict(re.findall(r"  ([a-z_ ]+): (.*)", sample))
+    assert list(fields) == ["data file", "data_source", "prompt", "response", "ground truth"]
+    file, row = re.fullmatch(r"(.*), row (\d+)", fields["data file"]).groups()
+    assert file == str(task_files["train"])
+    stored = pq.read_table(file).slice(int(row), 1).to_pylist()[0]  # the row the message names holds the sample
+    assert fields["prompt"] == repr(stored["prompt"]) and fields["ground truth"] == repr(stored["answer"])
+    assert head.endswith(f"KeyError: {stored['answer']!r}")
+    assert scorer_traceback.startswith(
+        f'Traceback (most recent call last):\n  File "{scorer}", line 3, in score\n    return rules[ground_truth]\n'
+    )
+    assert scorer_traceback.endswith("set reward.on_error=zero to score such samples 0\n")
