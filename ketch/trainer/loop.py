@@ -210,7 +210,7 @@ class TrainingLoop:
             "step": getattr(err, "step", self.step + 1),
             "role": getattr(err, "role", "driver"),
             "rank": getattr(err, "rank", None),
-            "error": err.error if isinstance(err, WorkerError) else describe(err),
+            "error": err.error if type(err) is WorkerError else describe(err),  # died / timed out: the type leads
             "traceback": err.traceback if isinstance(err, WorkerError) else "".join(traceback.format_exception(err)),
             "out_of_memory": is_out_of_memory(err),
         }
