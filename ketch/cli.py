@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print((path.parent / "summary.txt").read_text(), end="")
             print(f"report: {path}")
             return 0
-        config = load_config(args.config_path, overrides, args.command)
+        config = load_config(args.config_path, overrides, args.command, typed=True)
         if args.command == "config":
             print(to_yaml(config), end="")
         elif args.command == "train":

@@ -34,7 +34,7 @@ GIB = 1024**3
 def run_checks(config_path: str | None = None, overrides: list[str] | None = None) -> list[Check]:
     """Every row, in table order; the environment rows are judged for the defaults when the config is invalid."""
     try:
-        config = load_config(config_path, overrides or [])
+        config = load_config(config_path, overrides or [], typed=True)
         given = [config_path or "defaults", *(overrides or [])]
         config_row = Check("config", "ok", " ".join(given) + ": valid")
     except (ConfigError, BatchError) as err:

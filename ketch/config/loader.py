@@ -3,9 +3,9 @@
 Order of precedence: built-in defaults < the command's own defaults (`COMMAND_DEFAULTS`, e.g. `ketch rm`
 trains on the built-in preference pairs) < YAML file (`--config-path FILE`) < overrides. Overrides may be
 spelled `key.path=value`, `--key.path=value` or `--key.path value`; values are parsed as YAML
-(`a.b=[1,2]`, `x=null`, `flag=true`). A key given twice in the YAML file, or twice on the command line (in any
-spelling, or as a key and inside its section), is an error; a command-line key that replaces one of the YAML file
-is logged.
+(`a.b=[1,2]`, `x=null`, `flag=true`). A key given twice in the YAML file, or twice on a typed command line (in
+any spelling, or as a key and inside its section), is an error; a command-line key that replaces one of the YAML
+file is logged.
 """
 
 from __future__ import annotations
@@ -30,9 +30,16 @@ logger = logging.getLogger("ketch")
 
 
 def load_config(
-    config_path: str | Path | None = None, overrides: list[str] | None = None, command: str = "train"
+    config_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    command: str = "train",
+    *,
+    typed: bool = False,
 ) -> KetchConfig:
-    """Merge the defaults of `command`, the YAML file and the overrides into a validated, frozen `KetchConfig`."""
+    """Merge the defaults of `command`, the YAML file and the overrides into a validated, frozen `KetchConfig`.
+
+    `typed`: the overrides are a command line a person typed (`ketch ...` passes True), where a key given twice
+    is a `ConfigError`; code that composes override lists (a base, then changes) gets the last value."""
     tree = _as_tree(KetchConfig())
     for key, value in parse_overrides(list(COMMAND_DEFAULTS.get(command, ()))):
         _merge(tree, _nest(key, value), source=f"defaults of ketch {command}")
@@ -43,16 +50,14 @@ def load_config(
     given: dict[str, Any] = {}
     for key, value in parse_overrides(overrides or []):
         for path in _merge(tree, _nest(key, value), source="command line"):
-            if path in given:
+            if typed and path in given:
                 raise ConfigError(
                     f"{path} is given twice on the command line ({given[path]!r}, then {_get(tree, path)!r}); "
                     "give it once"
                 )
             given[path] = _get(tree, path)
-            if path in from_file:
-                logger.info(
-                    "%s=%r from the command line replaces %r from %s", path, given[path], from_file[path], config_path
-                )
+    for path in given.keys() & from_file.keys():
+        logger.info("%s=%r from the command line replaces %r from %s", path, given[path], from_file[path], config_path)
     config = _build(KetchConfig, tree, prefix="")
     validate(config)
     return config
