@@ -165,6 +165,7 @@ class TrainingLoop:
             self.checkpoints.discard(staging)
             if is_io_error(err):
                 raise self.checkpoints.io_failure(self.step, err) from err
+            err.step = self.step  # the failure belongs to the step being saved, not to the next one
             raise
         self.tracker.event("checkpoint", step=self.step, path=str(path))
         return path
