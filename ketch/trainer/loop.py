@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import textwrap
 import time
 import traceback
@@ -27,6 +26,7 @@ from ketch.rollout import stop_token_ids
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import CheckpointManager, due, is_io_error, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
+from ketch.trainer.run_dir import removed_if_start_fails
 
 logger = logging.getLogger("ketch")
 
@@ -92,28 +92,26 @@ class TrainingLoop:
 
     # ----------------------------------------------------------------- start, checkpoints, resume
     def _open(self) -> None:
-        """Create the run directory, the tracker and the workers, and resume. When this fails in a run directory
-        it created, the directory is removed again: a failed start leaves nothing that looks like a run."""
+        """Create the run directory, the tracker and the workers, and resume; a failure here stops what started
+        and leaves no new run directory behind."""
         c = self.config
-        fresh = not self.run_dir.exists()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
-            self.checkpoints = CheckpointManager(
-                self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
-            )
-            self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
-            self.failures = []
-            self.groups = self._build_groups()
-            self._resume(self.checkpoints.to_resume(c.trainer.resume_mode))
-        except BaseException:
-            if getattr(self, "groups", None) is not None:
-                self.groups.shutdown()
-            if getattr(self, "tracker", None) is not None:
-                self.tracker.close(failed=True)
-            if fresh:
-                shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise
+        with removed_if_start_fails(self.run_dir):
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
+                self.checkpoints = CheckpointManager(
+                    self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
+                )
+                self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
+                self.failures = []
+                self.groups = self._build_groups()
+                self._resume(self.checkpoints.to_resume(c.trainer.resume_mode))
+            except BaseException:
+                if getattr(self, "groups", None) is not None:
+                    self.groups.shutdown()
+                if getattr(self, "tracker", None) is not None:
+                    self.tracker.close(failed=True)
+                raise
         info(
             f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
             f"{self.plan.sequences_per_step} samples"

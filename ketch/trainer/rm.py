@@ -18,6 +18,7 @@ from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import build_reward_model_group
+from ketch.trainer.run_dir import removed_if_start_fails
 
 ROLE_DIR = "reward_model"
 """The reward model's part of a checkpoint directory."""
@@ -50,15 +51,16 @@ class RMTrainer:
     def fit(self) -> dict[str, float]:
         """Train, validate and checkpoint as described above; returns the last step's metrics."""
         c = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
-        tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
-        checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
-        )
-        groups = build_reward_model_group(c, self.model_path, self.total_steps)
-        group = groups.reward_model
-        start = self._resume(group, checkpoints, tracker)
+        with removed_if_start_fails(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
+            tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
+            checkpoints = CheckpointManager(
+                self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
+            )
+            groups = build_reward_model_group(c, self.model_path, self.total_steps)
+            group = groups.reward_model
+            start = self._resume(group, checkpoints, tracker)
         metrics: dict[str, float] = {}
         for step in range(start + 1, self.total_steps + 1):
             metrics = group.rm_step(self.loader.next_batch()).meta_info["metrics"]

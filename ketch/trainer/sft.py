@@ -20,6 +20,7 @@ from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
+from ketch.trainer.run_dir import removed_if_start_fails
 from ketch.trainer.validation import generate_and_score
 
 
@@ -54,9 +55,10 @@ class SFTTrainer:
         """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`,
         given the metrics of a validated step, ends training early when it returns True."""
         c = self.config
-        tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
-        plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
-        groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
+        with removed_if_start_fails(self.run_dir):
+            tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
+            plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
+            groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
         group = groups.actor_rollout
         metrics: dict[str, float] = {}
         for step in range(1, self.total_steps + 1):
