@@ -245,8 +245,9 @@ class TrainingLoop:
             f"{self.config.trainer.max_retries} allows:"
         ]
         lines += [f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}" for f in self.failures]
-        lines += ["the last failure's traceback (the failure events in metrics.jsonl hold each one):"]
-        lines += [textwrap.indent(self.failures[-1]["traceback"], "  ")]
+        if self.failures[-1]["traceback"]:
+            lines += ["the last failure's traceback (the failure events in metrics.jsonl hold each one):"]
+            lines += [textwrap.indent(self.failures[-1]["traceback"], "  ")]
         lines += [f"details: {self.run_dir / 'summary.txt'}, {self.run_dir / 'report.html'}"]
         return "\n".join(lines)
 
