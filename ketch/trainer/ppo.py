@@ -29,6 +29,7 @@ from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
+from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.trainer.balance import balance_tokens
@@ -46,6 +47,7 @@ class PPOTrainer(TrainingLoop):
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
+        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
