@@ -140,5 +140,22 @@ def _rollout_is(c: KetchConfig) -> str | None:
     return None
 
 
+def _dapo(c: KetchConfig) -> str | None:
+    f, o = c.algorithm.filter_groups, c.reward.overlong_buffer
+    if f.enable and (c.rollout.n < 2 or not c.rollout.do_sample):
+        return (
+            f"algorithm.filter_groups.enable=true keeps only groups whose samples differ, but with rollout.n="
+            f"{c.rollout.n} and rollout.do_sample={str(c.rollout.do_sample).lower()} they never can, so no batch "
+            "would ever fill; set rollout.n >= 2 and rollout.do_sample=true"
+        )
+    if f.max_num_gen_batches < 0:
+        return f"algorithm.filter_groups.max_num_gen_batches={f.max_num_gen_batches} must be >= 0 (0 = no limit)"
+    if o.enable and not 0 < o.len <= c.data.max_response_length:
+        return (
+            f"reward.overlong_buffer.len={o.len} must be in [1, data.max_response_length={c.data.max_response_length}]"
+        )
+    return None
+
+
 _CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo)
