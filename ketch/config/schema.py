@@ -366,7 +366,8 @@ class FilterGroupsConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax (or any registered one)."""
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax (or any
+    registered one)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
