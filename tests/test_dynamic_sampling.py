@@ -43,6 +43,7 @@ def dapo_config(tiny_config, tmp_path):
 
 def test_no_update_batch_holds_a_group_whose_advantages_are_all_zero(dapo_config):
     trainer = RecordingTrainer(dapo_config(REWARD, "trainer.total_steps=2", "algorithm.filter_groups.metric=acc"))
+    # rounds of the default size, data.train_batch_size = 8 prompts
     trainer.fit()
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
     assert len(trainer.updated) == 2
@@ -53,10 +54,21 @@ def test_no_update_batch_holds_a_group_whose_advantages_are_all_zero(dapo_config
         advantages = batch.batch["advantages"].abs() * batch.batch["response_mask"]
         for uid in set(uids):
             assert advantages[torch.as_tensor(uids == uid)].sum() > 0, f"group {uid} has all-zero advantages"
-    for r in records:  # 8 prompts (data.train_batch_size) a round; about half have an even answer
+    for r in records:  # about half the prompts have an even answer: one round of 8 cannot fill the batch
         assert r["dynamic_sampling/gen_rounds"] >= 2
         assert r["dynamic_sampling/groups_generated"] == 8 * r["dynamic_sampling/gen_rounds"]
         assert r["dynamic_sampling/groups_informative"] >= 8
+
+
+def test_larger_rounds_of_gen_batch_size_prompts_still_give_a_batch_of_train_batch_size_groups(dapo_config):
+    config = dapo_config(REWARD, "trainer.total_steps=1", "algorithm.filter_groups.gen_batch_size=20")
+    trainer = RecordingTrainer(config)
+    trainer._open()
+    metrics = trainer._train_step(trainer.loader.next_batch(), 1)
+    trainer.groups.shutdown()
+    assert metrics["dynamic_sampling/groups_generated"] == 20 * metrics["dynamic_sampling/gen_rounds"]
+    assert metrics["dynamic_sampling/groups_informative"] >= 8
+    assert len(trainer.updated[0]) == 8 * 4
 
 
 def test_groups_that_never_differ_stop_after_max_num_gen_batches_naming_the_keys(dapo_config):
@@ -77,6 +89,7 @@ def test_groups_that_never_differ_stop_after_max_num_gen_batches_naming_the_keys
         (("rollout.n=1",), "rollout.n=1 and rollout.do_sample=true they never can"),
         (("rollout.n=4", "rollout.do_sample=false"), "rollout.do_sample=false they never can"),
         (("rollout.n=4", "algorithm.filter_groups.max_num_gen_batches=-1"), "max_num_gen_batches=-1 must be >= 0"),
+        (("rollout.n=4", "algorithm.filter_groups.gen_batch_size=0"), "gen_batch_size=0 must be >= 1"),
     ],
 )
 def test_filter_settings_that_can_never_fill_a_batch_stop_at_load(tiny_config, overrides, match):

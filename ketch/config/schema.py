@@ -358,9 +358,15 @@ class FilterGroupsConfig:
     metric: str = "seq_reward"
     """What must differ within a group: seq_reward (each sample's summed score, overlong penalty included) or a
     field of the dict the reward function returns (e.g. acc)."""
+    gen_batch_size: int | None = None
+    """Prompts generated per round; None = data.train_batch_size. Larger rounds (verl's gen_batch_size) fill a
+    batch in fewer rounds when some groups are dropped; the informative groups beyond the batch are discarded."""
     max_num_gen_batches: int = 10
-    """Generation rounds (of data.train_batch_size prompts each) one step may use before it stops with an error;
-    0 = no limit."""
+    """Generation rounds one step may use before it stops with an error; 0 = no limit."""
+
+    def round_size(self, train_batch_size: int) -> int:
+        """Prompts per generation round: gen_batch_size when filtering, else data.train_batch_size."""
+        return self.gen_batch_size if self.enable and self.gen_batch_size is not None else train_batch_size
 
 
 @dataclass(frozen=True)

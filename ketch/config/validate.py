@@ -150,6 +150,8 @@ def _dapo(c: KetchConfig) -> str | None:
         )
     if f.max_num_gen_batches < 0:
         return f"algorithm.filter_groups.max_num_gen_batches={f.max_num_gen_batches} must be >= 0 (0 = no limit)"
+    if f.gen_batch_size is not None and f.gen_batch_size < 1:
+        return f"algorithm.filter_groups.gen_batch_size={f.gen_batch_size} must be >= 1 (or null)"
     if o.enable and not 0 < o.len <= c.data.max_response_length:
         return (
             f"reward.overlong_buffer.len={o.len} must be in [1, data.max_response_length={c.data.max_response_length}]"

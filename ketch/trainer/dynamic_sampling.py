@@ -1,8 +1,9 @@
 """DAPO's dynamic sampling as one stage of a PPO step (`algorithm.filter_groups`, https://arxiv.org/abs/2503.14476).
 
-Rounds of `data.train_batch_size` prompts are generated and scored; the groups whose samples all have the same
-filter metric are dropped (`informative_groups`), until `data.train_batch_size` informative groups are collected.
-The first ones fill the batch; extra informative groups of the last round are not used.
+Rounds of prompts (`algorithm.filter_groups.gen_batch_size`, default `data.train_batch_size`) are generated and
+scored; the groups whose samples all have the same filter metric are dropped (`informative_groups`), until
+`data.train_batch_size` informative groups are collected. The first ones fill the batch; the informative groups
+beyond it are discarded.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ class PPOTrainer(TrainingLoop):
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
-        self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
+        round_size = c.algorithm.filter_groups.round_size(c.data.train_batch_size)
+        self.loader = PromptLoader(self.train_set, round_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
         self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
