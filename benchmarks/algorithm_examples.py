@@ -25,8 +25,8 @@ from ketch.tracking import read_metrics
 ACC = "val/ketch/arithmetic/acc"
 
 
-def summarise(run_dir: Path) -> dict:
-    records = read_metrics(run_dir / "metrics.jsonl")
+def summarise(run_dir: Path, max_step: int | None = None) -> dict:
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if max_step is None or r["step"] <= max_step]
     seconds, points = 0.0, []
     for record in records:
         seconds += record.get("timing_s/step", 0.0)
@@ -39,9 +39,10 @@ def summarise(run_dir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--max-step", type=int, help="ignore steps after this one")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    results = [summarise(d) for d in args.run_dirs]
+    results = [summarise(d, args.max_step) for d in args.run_dirs]
     for result in results:
         line = ", ".join(f"step {p['step']}: {p['acc']:.3f} ({p['train_s']:.0f} s)" for p in result["validations"])
         rounds = f"; {result['mean_gen_rounds']:.2f} generation rounds/step" if result["mean_gen_rounds"] else ""
