@@ -147,6 +147,11 @@ def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_con
         weights[recompute] = actor_weights(trainer)
         trainer.groups.shutdown()
     assert "timing_s/old_log_prob" in metrics["true"] and "timing_s/old_log_prob" not in metrics["null"]
+    # the old-log-prob pass also measures the rollout engine against the training engine: the same fp32
+    # weights on the CPU, so the sampled tokens' probabilities agree to rounding
+    mismatch = {k.removeprefix("training/rollout_"): v for k, v in metrics["true"].items()}
+    assert 0 <= mismatch["probs_diff_mean"] <= mismatch["probs_diff_max"] < 1e-4
+    assert abs(mismatch["kl"]) < 1e-6
     assert metrics["null"]["actor/entropy"] == pytest.approx(metrics["true"]["actor/entropy"], rel=1e-5)
     for name, tensor in weights["true"].items():
         torch.testing.assert_close(weights["null"][name], tensor, atol=1e-6, rtol=0)

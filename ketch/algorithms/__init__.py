@@ -1,6 +1,6 @@
 """RL algorithms on tensors: advantage estimators, KL penalties and controllers, policy losses (PPO, GSPO, CISPO)
-and value losses, rollout–training mismatch correction, the Bradley–Terry loss of reward models and the mixing of
-reward sources.
+and value losses, rollout–training mismatch correction, DAPO's group filter and overlong penalty, the
+Bradley–Terry loss of reward models and the mixing of reward sources.
 
 This package imports no other ketch module: batches are used through `.batch`, `.non_tensor_batch` and
 `.meta_info` only, so it can be tested and reused on its own.
@@ -22,6 +22,7 @@ from ketch.algorithms.estimators import (
     group_centered_scores,
     register_adv_estimator,
 )
+from ketch.algorithms.group_filter import informative_groups
 from ketch.algorithms.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -40,6 +41,7 @@ from ketch.algorithms.losses import (
     value_loss,
 )
 from ketch.algorithms.masked import masked_mean, masked_var, masked_whiten
+from ketch.algorithms.overlong import overlong_penalty
 from ketch.algorithms.policy_losses import (
     cispo_loss,
     get_policy_loss,
@@ -85,11 +87,13 @@ __all__ = [
     "group_centered_scores",
     "gspo_loss",
     "gspo_token_loss",
+    "informative_groups",
     "kl_penalty",
     "last_valid_index",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "pairwise_accuracy",
     "policy_loss",
     "policy_loss_names",

@@ -306,6 +306,19 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476, eq. 13): a response longer than
+    data.max_response_length - len loses up to penalty_factor, linearly over the last `len` tokens."""
+
+    enable: bool = False
+    """Add the length penalty to every training score (validation accuracy is not changed)."""
+    len: int = 4
+    """The buffer: tokens before data.max_response_length where the penalty grows from 0 to penalty_factor."""
+    penalty_factor: float = 1.0
+    """The penalty of a response that uses every allowed token."""
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     function: str | None = None
     """A user scorer `path/to/file.py:fn` with signature fn(data_source, solution_str, ground_truth, extra_info)."""
@@ -321,6 +334,8 @@ class RewardConfig:
     """Clip reward-model scores to [-clip, clip] (after normalisation); None disables."""
     normalize: bool = False
     """Normalise reward-model scores by their running mean and std over the run (kept in checkpoints)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping."""
 
     @property
     def source_weights(self) -> dict[str, float]:
@@ -343,9 +358,32 @@ class KLControlConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476): drop the groups whose samples all have the same
+    `metric` (their group advantages are all zero) and generate more prompts until data.train_batch_size
+    informative groups are collected."""
+
+    enable: bool = False
+    """Filter groups (needs rollout.n >= 2 and sampling)."""
+    metric: str = "seq_reward"
+    """What must differ within a group: seq_reward (each sample's summed score, overlong penalty included) or a
+    field of the dict the reward function returns (e.g. acc)."""
+    gen_batch_size: int | None = None
+    """Prompts generated per round; None = data.train_batch_size. Larger rounds (verl's gen_batch_size) fill a
+    batch in fewer rounds when some groups are dropped; the informative groups beyond the batch are discarded."""
+    max_num_gen_batches: int = 10
+    """Generation rounds one step may use before it stops with an error; 0 = no limit."""
+
+    def round_size(self, train_batch_size: int) -> int:
+        """Prompts per generation round: gen_batch_size when filtering, else data.train_batch_size."""
+        return self.gen_batch_size if self.enable and self.gen_batch_size is not None else train_batch_size
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str = "gae"
-    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, remax (or any registered one)."""
+    """Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax (or any
+    registered one)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -364,6 +402,8 @@ class AlgorithmConfig:
     """KL coefficient controller for the in-reward penalty."""
     non_finite: Literal["raise", "zero"] = "raise"
     """A NaN/inf in rewards, values or advantages: stop with a message, or zero those entries and count them."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO's dynamic sampling."""
 
 
 @dataclass(frozen=True)

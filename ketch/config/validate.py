@@ -16,10 +16,12 @@ from ketch.config.schema import (
     AlgorithmConfig,
     CriticConfig,
     DataConfig,
+    FilterGroupsConfig,
     KetchConfig,
     KLControlConfig,
     MegatronConfig,
     OptimConfig,
+    OverlongBufferConfig,
     RefConfig,
     RewardConfig,
     RewardModelConfig,
@@ -90,6 +92,8 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
     },
     RewardModelConfig: {"micro_batch_size_per_device": COUNT},
     RewardConfig: {"clip": (POSITIVE, "null disables clipping")},
+    OverlongBufferConfig: {"len": COUNT, "penalty_factor": NON_NEGATIVE},
+    FilterGroupsConfig: {"gen_batch_size": COUNT, "max_num_gen_batches": (NON_NEGATIVE, "0 means no limit")},
     KLControlConfig: {"kl_coef": NON_NEGATIVE, "target_kl": POSITIVE, "horizon": COUNT},
     AlgorithmConfig: {
         "gamma": UNIT,
@@ -274,5 +278,18 @@ def _rollout_is(c: KetchConfig) -> str | None:
     return None
 
 
+def _dapo(c: KetchConfig) -> str | None:
+    f, o = c.algorithm.filter_groups, c.reward.overlong_buffer
+    if f.enable and (c.rollout.n < 2 or not c.rollout.do_sample):
+        return (
+            f"algorithm.filter_groups.enable=true keeps only groups whose samples differ, but with rollout.n="
+            f"{c.rollout.n} and rollout.do_sample={str(c.rollout.do_sample).lower()} they never can, so no batch "
+            "would ever fill; set rollout.n >= 2 and rollout.do_sample=true"
+        )
+    if o.enable and o.len > c.data.max_response_length:
+        return f"reward.overlong_buffer.len={o.len} must be <= data.max_response_length={c.data.max_response_length}"
+    return None
+
+
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo)

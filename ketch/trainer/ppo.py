@@ -20,7 +20,10 @@ from ketch.algorithms import (
     apply_kl_penalty,
     build_kl_controller,
     get_adv_estimator,
+    last_valid_index,
+    overlong_penalty,
     robust_compute_advantage,
+    rollout_mismatch_metrics,
 )
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
@@ -34,6 +37,7 @@ from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.trainer.balance import balance_tokens
 from ketch.trainer.builtin import local_or_hub, resolve_model_path
+from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_groups
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
@@ -66,7 +70,8 @@ class PPOTrainer(TrainingLoop):
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
-        self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
+        round_size = c.algorithm.filter_groups.round_size(c.data.train_batch_size)
+        self.loader = PromptLoader(self.train_set, round_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
         self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
@@ -85,14 +90,11 @@ class PPOTrainer(TrainingLoop):
     def _train_step(self, batch: DataProto, step: int) -> dict[str, float]:
         timings: dict[str, float] = {}
         step_start = time.perf_counter()
-        batch = self._expand(batch)
-        with _timed(timings, "gen"):
-            batch = self._generate(batch, step)
-        with _timed(timings, "reward"):
-            batch, metrics = self._score(batch)
+        batch, metrics = self._rollout(batch, step, timings)
         if recompute_old_log_prob(self.config, self.plan):
             with _timed(timings, "old_log_prob"):
                 batch = batch.union(self.actor_rollout.compute_log_prob(batch))
+            metrics |= self._rollout_mismatch(batch)
         if self.config.use_reference:
             with _timed(timings, "ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
@@ -114,6 +116,28 @@ class PPOTrainer(TrainingLoop):
         return metrics
 
     # ----------------------------------------------------------------- stages
+    def _rollout(self, prompts: DataProto, step: int, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
+        """Generate and score; with `algorithm.filter_groups`, rounds of prompts until the batch is informative."""
+        c = self.config
+
+        def generate_and_score(prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
+            batch = self._expand(prompts)
+            with _timed(timings, "gen"):
+                batch = self._generate(batch, step)
+            with _timed(timings, "reward"):
+                return self._score(batch)
+
+        if not c.algorithm.filter_groups.enable:
+            return generate_and_score(prompts)
+        return fill_with_informative_groups(
+            prompts,
+            generate_and_score,
+            self.loader.next_batch,
+            c.algorithm.filter_groups,
+            c.data.train_batch_size,
+            c.rollout.n,
+        )
+
     def _expand(self, batch: DataProto) -> DataProto:
         """Give each prompt a group id (`uid`) and repeat it `rollout.n` times, samples of a prompt adjacent."""
         batch.non_tensor_batch["uid"] = np.array([uuid.uuid4().hex for _ in range(len(batch))], dtype=object)
@@ -126,30 +150,53 @@ class PPOTrainer(TrainingLoop):
         if self.config.algorithm.adv_estimator == "remax":
             prompts.meta_info["do_sample"] = False
             greedy = batch.select(batch_keys=[]).union(self.actor_rollout.generate_sequences(prompts))
-            scores, _ = self._scores(greedy, update_stats=False)
+            scores, _, _ = self._scores(greedy, update_stats=False)
             batch.batch["reward_baselines"] = scores.sum(-1)
         self._warn_if_all_truncated(batch, step)
         return batch
 
     def _score(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
-        batch.batch["token_level_scores"], metrics = self._scores(batch)
+        """`token_level_scores`; the numeric fields of the reward function's dicts as `reward_extra/<field>`."""
+        batch.batch["token_level_scores"], metrics, extra = self._scores(batch)
+        batch.non_tensor_batch |= {EXTRA_PREFIX + k: v for k, v in extra.items() if v.dtype != object}
         return batch, metrics
 
-    def _scores(self, batch: DataProto, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+    def _scores(self, batch: DataProto, update_stats: bool = True) -> tuple[torch.Tensor, dict[str, float], dict]:
         """`token_level_scores` `[batch, response_len]`: rule-based scores (when weighted) and reward-model scores
-        (when there is a reward model; also kept in the batch as `rm_scores`) mixed per `reward.weights`."""
-        rule, metrics = None, {}
+        (when there is a reward model; also kept in the batch as `rm_scores`) mixed per `reward.weights`, plus
+        DAPO's overlong penalty (`reward.overlong_buffer`); metrics; the reward function's extra fields."""
+        rule, metrics, extra = None, {}, {}
         if self.mixer.weights["rule"]:
             rule, details = self.reward(batch)
             metrics["reward/num_errors"] = float(details["num_errors"])
-            extra = details["extra"].items()
-            metrics |= {f"reward/{k}/mean": float(np.nanmean(v)) for k, v in extra if v.dtype != object}
+            extra = details["extra"]
+            metrics |= {f"reward/{k}/mean": float(np.nanmean(v)) for k, v in extra.items() if v.dtype != object}
         if self.reward_model is not None:
             keys = ["input_ids", "attention_mask", "position_ids", "prompts", "responses", "response_mask"]
             inputs = batch.select(keys, [k for k in ("raw_prompt",) if k in batch.non_tensor_batch], [])
             batch.batch["rm_scores"] = self.reward_model.compute_rm_score(inputs).batch["rm_scores"]
-        scores, mixed = self.mixer(batch.batch["response_mask"], rule, batch.batch.get("rm_scores"), update_stats)
-        return scores, metrics | mixed
+        mask = batch.batch["response_mask"]
+        scores, mixed = self.mixer(mask, rule, batch.batch.get("rm_scores"), update_stats)
+        if self.config.reward.overlong_buffer.enable:
+            metrics |= self._penalise_overlong(scores, mask)
+        return scores, metrics | mixed, extra
+
+    def _penalise_overlong(self, scores: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+        """Add DAPO's overlong penalty to `scores` `[batch, response_len]` at each last response token."""
+        o = self.config.reward.overlong_buffer
+        penalty = overlong_penalty(response_mask.sum(-1), self.config.data.max_response_length, o.len, o.penalty_factor)
+        scores[torch.arange(len(penalty)), last_valid_index(response_mask)] += penalty.to(scores.dtype)
+        return {
+            "reward/overlong_penalty/mean": penalty.mean().item(),
+            "reward/overlong_fraction": (penalty < 0).float().mean().item(),
+        }
+
+    def _rollout_mismatch(self, batch: DataProto) -> dict[str, float]:
+        """How far the rollout engine's log-probs are from the training engine's (`training/rollout_*`)."""
+        b = batch.batch
+        if "rollout_log_probs" not in b:
+            return {}
+        return rollout_mismatch_metrics(b["old_log_prob"], b["rollout_log_probs"], b["response_mask"])
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm
@@ -216,4 +263,4 @@ class PPOTrainer(TrainingLoop):
 def _timed(timings: dict[str, float], stage: str):
     start = time.perf_counter()
     yield
-    timings[stage] = time.perf_counter() - start
+    timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - start
