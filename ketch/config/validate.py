@@ -76,6 +76,17 @@ def _sampling(c: KetchConfig) -> str | None:
     return None
 
 
+def _multi_turn(c: KetchConfig) -> str | None:
+    m = c.rollout.multi_turn
+    if not m.enable:
+        return None
+    if m.max_turns < 1 or m.tool_timeout <= 0:
+        return f"rollout.multi_turn.max_turns={m.max_turns} must be >= 1 and tool_timeout={m.tool_timeout} > 0"
+    if not m.tools and not m.environment:
+        return "rollout.multi_turn.enable=true needs rollout.multi_turn.tools (names or .py files) or .environment"
+    return None
+
+
 def _loggers(c: KetchConfig) -> str | None:
     unknown = [name for name in c.trainer.logger if name not in KNOWN_LOGGERS]
     if unknown:
@@ -141,4 +152,4 @@ def _rollout_is(c: KetchConfig) -> str | None:
 
 
 _CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is)
+_CHECKS += (_registered_algorithms, _rollout_is, _multi_turn)

@@ -35,7 +35,7 @@ from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
-from ketch.trainer.validation import generate_and_score
+from ketch.trainer.validation import generate_and_score, generation_inputs
 
 logger = logging.getLogger("ketch")
 
@@ -116,7 +116,7 @@ class PPOTrainer(TrainingLoop):
 
     def _generate(self, batch: DataProto, step: int) -> DataProto:
         """Sample responses; for ReMax also the greedy response of each prompt, whose score is the baseline."""
-        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        prompts = generation_inputs(batch)
         batch = batch.union(self.actor_rollout.generate_sequences(prompts))
         if self.config.algorithm.adv_estimator == "remax":
             prompts.meta_info["do_sample"] = False
