@@ -68,7 +68,8 @@ def load_environment_class(spec: str) -> type:
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
-        raise ValueError(f"rollout.multi_turn.environment: importing {path} failed: {type(exc).__name__}: {exc}") from exc
+        problem = f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"rollout.multi_turn.environment: importing {path} failed: {problem}") from exc
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and hasattr(cls, "reset") and hasattr(cls, "step")):
         raise ValueError(f"rollout.multi_turn.environment={spec!r}: {path} has no class {name!r} with reset and step")

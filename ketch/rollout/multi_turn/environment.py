@@ -75,7 +75,8 @@ class ToolEnvironment:
         replies = [self._result(call, future, start) for call, future in zip(calls, futures, strict=True)]
         self.stats["tool_calls"] += len(calls)
         self.stats["tool_time"] += time.perf_counter() - start
-        return [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, replies, strict=True)], None, False
+        messages = [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, replies, strict=True)]
+        return messages, None, False
 
     def _run(self, call: ToolCall) -> str:
         if call.error is not None:

@@ -111,7 +111,8 @@ class MultiTurnRollout(Rollout):
     def _sample_turn(self, trajectories: list[Trajectory], meta_info: dict) -> None:
         """One batched `generate` over the trajectories so far; appends each one's turn (cut to the budget)."""
         contexts = [t.prompt_ids + t.tokens for t in trajectories]
-        out = self.backend.generate(DataProto.from_dict(_left_padded(contexts, self.tokenizer.pad_token_id), meta_info=meta_info))
+        batch = _left_padded(contexts, self.tokenizer.pad_token_id)
+        out = self.backend.generate(DataProto.from_dict(batch, meta_info=meta_info))
         mask = out.batch["response_mask"].bool().cpu()
         for t, row, keep, log_probs in zip(
             trajectories, out.batch["responses"].cpu(), mask, out.batch["rollout_log_probs"].cpu(), strict=True
@@ -183,4 +184,6 @@ def _left_padded(rows: list[list[int]], pad: int, width: int | None = None) -> d
 
 
 def _right_padded(rows: list[list], value: float, width: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.stack([nn.functional.pad(torch.tensor(row, dtype=dtype), (0, width - len(row)), value=value) for row in rows])
+    """`[batch, width]`: each row followed by `value`."""
+    padded = [nn.functional.pad(torch.tensor(row, dtype=dtype), (0, width - len(row)), value=value) for row in rows]
+    return torch.stack(padded)

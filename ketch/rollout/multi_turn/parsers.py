@@ -7,6 +7,7 @@ separated by `;`), optionally after `<|python_tag|>`. `rollout.multi_turn.format
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -88,10 +89,8 @@ def _from_object(call: Any, body: str, arguments_key: str) -> ToolCall:
         return ToolCall("", error=f'a tool call must be a JSON object with a string "name"; got {body[:200]}')
     arguments = call.get(arguments_key, call.get("arguments", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(arguments, dict):
         return ToolCall(call["name"], error=f'the "{arguments_key}" of a tool call must be a JSON object')
     return ToolCall(call["name"], arguments)
