@@ -31,6 +31,7 @@ from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
+from ketch.rollout.multi_turn import environment_factory
 from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
@@ -54,6 +55,8 @@ class PPOTrainer(TrainingLoop):
             check_supported(model_config)
         self.tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
+        if c.rollout.multi_turn.enable:  # a tools or environment file that does not import fails here
+            environment_factory(c, self.tokenizer)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
         if self.reward_model_path is not None:  # a bad reward model path fails before any work
             load_model_config(self.reward_model_path, c.model.trust_remote_code)
