@@ -30,6 +30,7 @@ class Nudge:
 
 # The random tiny model rarely says EOS: most characters (ids 30 to 99) stop a turn, so turns are short.
 MULTI_TURN = ("rollout.multi_turn.enable=true", f"rollout.stop_token_ids={list(range(30, 100))}")
+NO_CRITIC = ("algorithm.adv_estimator=grpo", "rollout.n=2", "data.train_batch_size=4")
 
 
 @pytest.fixture
@@ -72,13 +73,13 @@ def test_greedy_trajectories_are_the_same_locally_and_over_ray_with_two_workers(
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     try:
-        overrides = ("data.max_response_length=32", "trainer.total_steps=1", "trainer.val_before_train=true")
+        overrides = ("data.max_response_length=96", "trainer.total_steps=1", "trainer.test_freq=1", *NO_CRITIC)
         local = PPOTrainer(env_config(*overrides, "trainer.experiment_name=local")).fit()
         remote = PPOTrainer(env_config(*overrides, "trainer.backend=ray", "trainer.n_cpu_workers=2")).fit()
     finally:
         ray.shutdown()
-    keys = [k for k in local if k.startswith("val/")] + ["multi_turn/num_turns/mean", "multi_turn/cut_by_length"]
-    assert "val/multi_turn/num_turns/mean" in keys
+    assert {"multi_turn/num_turns/mean", "multi_turn/cut_by_length", "val/multi_turn/num_turns/mean"} <= set(remote)
+    keys = [k for k in local if k.startswith("val/")]
+    assert len(keys) >= 8
     for key in keys:
-        if not key.startswith("val/timing"):
-            assert remote[key] == pytest.approx(local[key], abs=1e-6), key
+        assert remote[key] == pytest.approx(local[key], abs=1e-6), key
