@@ -145,8 +145,8 @@ def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
 
 
 def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
-    """`files` with `builtin:arithmetic/{train,val}` and `builtin:arithmetic-preference/{sft,train,val}`
-    replaced by cached Parquet paths.
+    """`files` with `builtin:arithmetic/{train,val}`, `builtin:arithmetic-preference/{sft,train,val}` and
+    `builtin:calculator/{train,val}` replaced by cached Parquet paths.
 
     Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
     """
@@ -156,7 +156,9 @@ def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> 
         builtin_preference_files,
     )
 
-    splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS}
+    from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, builtin_calculator_files
+
+    splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS, BUILTIN_CALCULATOR_TASK: SPLITS}
     resolved = []
     for entry in files:
         if not entry.startswith("builtin:"):
@@ -166,7 +168,9 @@ def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> 
         if split not in splits.get(name, ()):
             choices = ", ".join(f"{n}/{s}" for n, names in splits.items() for s in names)
             raise ValueError(f"unknown built-in data set {entry!r} in the data files; the built-in ones are: {choices}")
-        if name == BUILTIN_TASK:
+        if name == BUILTIN_CALCULATOR_TASK:
+            resolved.append(str(builtin_calculator_files()[split]))
+        elif name == BUILTIN_TASK:
             resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
         else:
             resolved.append(str(builtin_preference_files(PreferenceTask(task or ArithmeticTask()))[split]))
