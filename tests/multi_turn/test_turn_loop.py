@@ -8,12 +8,13 @@ import torch
 
 from ketch.algorithms import get_policy_loss
 from ketch.config import load_config
-from ketch.data import build_char_tokenizer
+from ketch.data import RLHFDataset, SFTDataset, build_char_tokenizer
+from ketch.data.builtin.calculator import CALL, builtin_calculator_files
+from ketch.data.values import object_array
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, rollout_output
 from ketch.rollout.multi_turn import MultiTurnRollout, environment_factory
 
-CALL = '<tool_call>{{"name": "calculate", "arguments": {{"expression": "{}"}}}}</tool_call>'
 SCRIPT = {
     "3*4=": [CALL.format("3*4"), CALL.format("12+1"), "#### 13"],  # two tool calls, then the answer
     "2+5=": ["#### 7"],  # no call
@@ -22,10 +23,10 @@ LOG_PROB = -0.5
 
 
 class ScriptedPolicy(Rollout):
-    """Answers turn k of a prompt with SCRIPT[prompt][k] and EOS, every token with log-prob LOG_PROB."""
+    """Answers turn k of a prompt with script[prompt][k] and EOS, every token with log-prob LOG_PROB."""
 
-    def __init__(self, tokenizer, max_response_length: int):
-        self.tokenizer, self.max_response_length = tokenizer, max_response_length
+    def __init__(self, tokenizer, max_response_length: int, script: dict[str, list[str]] = SCRIPT):
+        self.tokenizer, self.max_response_length, self.script = tokenizer, max_response_length, script
         self.calls: list[int] = []
 
     def generate(self, prompts: DataProto) -> DataProto:
@@ -34,7 +35,7 @@ class ScriptedPolicy(Rollout):
         for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"].bool(), strict=True):
             context = self.tokenizer.decode(ids[mask].tolist())
             question = context.split("\n")[0].removeprefix("user: ")
-            turn = SCRIPT[question][context.count("assistant: ") - 1]
+            turn = self.script[question][context.count("assistant: ") - 1]
             rows.append(self.tokenizer(turn)["input_ids"] + [self.tokenizer.eos_token_id])
         responses = torch.zeros(len(rows), self.max_response_length, dtype=torch.long)
         for i, row in enumerate(rows):
@@ -48,7 +49,7 @@ class ScriptedPolicy(Rollout):
         return 0.0
 
 
-def run(prompts: list[str], *overrides: str) -> tuple[DataProto, ScriptedPolicy]:
+def run(prompts: list, *overrides: str, script: dict[str, list[str]] = SCRIPT) -> tuple[DataProto, ScriptedPolicy]:
     config = load_config(
         overrides=[
             "rollout.multi_turn.enable=true",
@@ -59,9 +60,9 @@ def run(prompts: list[str], *overrides: str) -> tuple[DataProto, ScriptedPolicy]
         ]
     )
     tokenizer = build_char_tokenizer()
-    policy = ScriptedPolicy(tokenizer, config.data.max_response_length)
+    policy = ScriptedPolicy(tokenizer, config.data.max_response_length, script)
     rollout = MultiTurnRollout(policy, config, tokenizer, environment_factory(config, tokenizer))
-    raw = np.array(prompts, dtype=object)
+    raw = object_array(prompts)
     dummy = torch.zeros(len(prompts), 1, dtype=torch.long)  # the loop renders the prompts itself
     batch = DataProto.from_dict({"input_ids": dummy}, {"raw_prompt": raw}, {"temperature": 1.0})
     return rollout.generate(batch), policy
@@ -117,3 +118,21 @@ def test_max_turns_and_the_length_budget_cut_trajectories():
     assert out.batch["response_mask"][0].tolist() == [1] * 81 + [0] * 19
     assert out.non_tensor_batch["cut_by_length"].tolist() == [1.0]
     assert out.non_tensor_batch["num_turns"].tolist() == [1]
+
+
+def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
+    """The SFT warm-up teaches exactly the token layout the turn loop produces: the call, EOS, the glue with
+    the tool's reply, the answer, EOS."""
+    config = load_config(overrides=["data.max_prompt_length=32", "data.max_response_length=128"])
+    val = builtin_calculator_files()["val"]
+    demo = SFTDataset(str(val), build_char_tokenizer(), config.data)[0]
+    row = RLHFDataset(str(val), build_char_tokenizer(), config.data)[0]
+    question = row["raw_prompt"][0]["content"]
+    expression, answer = question.removesuffix("="), row["ground_truth"]
+    script = {question: [CALL.format(expression), f"#### {answer}"]}
+    out, _ = run([row["raw_prompt"]], "data.max_response_length=128", script=script)
+    b = out.batch
+    prompt_ids = b["prompts"][0][b["attention_mask"][0, :32].bool()].tolist()
+    response_ids = b["responses"][0][b["attention_mask"][0, 32:].bool()].tolist()
+    assert prompt_ids + response_ids == demo["input_ids"].tolist()
+    assert b["response_mask"][0].sum().item() == demo["loss_mask"].sum().item() - len(f"\ntool: {answer}\nassistant: ")
