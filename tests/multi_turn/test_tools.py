@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import textwrap
+import re
 from typing import Literal
 
 import pytest
@@ -48,7 +48,7 @@ def test_a_schema_comes_from_the_signature_and_the_docstring():
 
 
 def test_parsers_read_hermes_and_llama3_calls():
-    text = 'I will call.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b"}</tool_call>'
+    text = 'I call.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n<tool_call>{"name": "b"}</tool_call>'
     assert [(c.name, c.arguments, c.error) for c in parse_hermes(text)] == [("a", {"x": 1}, None), ("b", {}, None)]
     assert parse_hermes("no call here") == []
     bad = parse_hermes('<tool_call>{"name": "a", "arguments": </tool_call>')
@@ -122,10 +122,10 @@ def test_a_row_limits_its_tools():
 def test_a_tools_file_that_does_not_import_stops_the_run_at_start_up(tiny_config, tmp_path):
     path = tmp_path / "broken_tools.py"
     path.write_text("import not_a_module_anywhere\n")
-    with pytest.raises(ToolError, match=f"importing the tools file {path} failed: ModuleNotFoundError"):
+    with pytest.raises(ToolError, match=re.escape(f"importing the tools file {path} failed: ModuleNotFoundError")):
         load_tools_file(str(path))
     config = tiny_config("rollout.multi_turn.enable=true", f"rollout.multi_turn.tools=[{path}]")
-    with pytest.raises(ToolError, match="broken_tools.py failed"):
+    with pytest.raises(ToolError, match=r"broken_tools\.py failed"):
         PPOTrainer(config)
     config = load_config(overrides=["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[nope]"])
     with pytest.raises(ToolError, match="unknown tool 'nope'"):

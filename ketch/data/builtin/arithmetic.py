@@ -150,13 +150,12 @@ def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> 
 
     Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
     """
+    from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, builtin_calculator_files
     from ketch.data.builtin.preference import (  # built on this module
         PREFERENCE_SPLITS,
         PreferenceTask,
         builtin_preference_files,
     )
-
-    from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, builtin_calculator_files
 
     splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS, BUILTIN_CALCULATOR_TASK: SPLITS}
     resolved = []
