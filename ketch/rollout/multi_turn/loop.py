@@ -74,25 +74,27 @@ class MultiTurnRollout(Rollout):
         for turn in range(self.max_turns):
             self._sample_turn([trajectories[i] for i in active], prompts.meta_info)
             active = [i for i in active if len(trajectories[i].tokens) < self.max_response_length]
-            answers = list(self.steps.map(lambda i: envs[i].step(trajectories[i].messages), active))
-            still = []
-            for i, (messages, reward, done) in zip(active, answers, strict=True):
-                t = trajectories[i]
-                t.reward = reward if reward is not None else t.reward
-                if done:
-                    continue
-                if turn == self.max_turns - 1:
-                    t.cut_by_max_turns = True
-                    continue
-                glue = self.renderer.glue_ids(messages, getattr(envs[i], "tools", None), t.tokens[-1])
-                t.extend(glue[: self.max_response_length - len(t.tokens)], None)
-                t.messages += messages
-                if len(t.tokens) < self.max_response_length:
-                    still.append(i)
-            active = still
+            answers = self.steps.map(lambda i: _step(i, envs[i], trajectories[i].messages), active)
+            last = turn == self.max_turns - 1
+            going_on = [self._answer(trajectories[i], envs[i], a, last) for i, a in zip(active, answers, strict=True)]
+            active = [i for i, keep in zip(active, going_on, strict=True) if keep]
             if not active:
                 break
         return self._output(trajectories, envs, prompts.batch["input_ids"].device)
+
+    def _answer(self, t: Trajectory, env: Environment, answer: tuple, last_turn: bool) -> bool:
+        """Append the environment's answer to `t` (cut to the token budget); whether `t` goes on."""
+        messages, reward, done = answer
+        t.reward = reward if reward is not None else t.reward
+        if done:
+            return False
+        if last_turn:
+            t.cut_by_max_turns = True
+            return False
+        glue = self.renderer.glue_ids(messages, getattr(env, "tools", None), t.tokens[-1])
+        t.extend(glue[: self.max_response_length - len(t.tokens)], None)
+        t.messages += messages
+        return len(t.tokens) < self.max_response_length
 
     def _start(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
         row = {key: values[index] for key, values in prompts.non_tensor_batch.items()}
@@ -157,6 +159,13 @@ class MultiTurnRollout(Rollout):
 
     def wake_up(self) -> None:
         self.backend.wake_up()
+
+
+def _step(index: int, env: Environment, messages: list[dict[str, Any]]) -> tuple:
+    try:
+        return env.step(messages)
+    except Exception as exc:
+        raise RuntimeError(f"multi-turn rollout, row {index}: the environment's step failed: {exc!r}") from exc
 
 
 def _trajectory_columns(trajectories: list[Trajectory], envs: list[Environment], width: int) -> dict[str, np.ndarray]:
