@@ -11,6 +11,7 @@ from ketch.data import RLHFDataset, SFTDataset, build_char_tokenizer
 from ketch.data.builtin.calculator import CALL, builtin_calculator_files
 from ketch.data.values import object_array
 from ketch.protocol import DataProto
+from ketch.rewards import RewardScorer
 from ketch.rollout.base import Rollout, rollout_output
 from ketch.rollout.multi_turn import MultiTurnRollout, environment_factory
 
@@ -135,3 +136,21 @@ def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
     response_ids = b["responses"][0][b["attention_mask"][0, 32:].bool()].tolist()
     assert prompt_ids + response_ids == demo["input_ids"].tolist()
     assert b["response_mask"][0].sum().item() == demo["loss_mask"].sum().item() - len(f"\ntool: {answer}\nassistant: ")
+
+
+REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    return {"score": float(solution_str.endswith("#### 13")), "saw_tool": float("tool: 12" in solution_str),
+            "messages": float(len(extra_info["messages"]))}
+"""
+
+
+def test_the_reward_function_sees_the_whole_trajectory(tmp_path):
+    out, _ = run(["3*4=", "2+5="])
+    out.non_tensor_batch |= {"data_source": object_array(["x", "x"]), "ground_truth": object_array(["13", "7"])}
+    (tmp_path / "reward.py").write_text(REWARD)
+    scores, info = RewardScorer(build_char_tokenizer(), f"{tmp_path / 'reward.py'}:score")(out)
+    assert info["scores"].tolist() == [1.0, 0.0]
+    assert info["extra"]["saw_tool"].tolist() == [1.0, 0.0] and info["extra"]["messages"].tolist() == [6.0, 2.0]
+    # The score sits on the last sampled token: the EOS after "#### 13", position 212 of the response.
+    assert scores[0].nonzero().flatten().tolist() == [212]
