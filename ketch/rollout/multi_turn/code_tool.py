@@ -19,13 +19,12 @@ _NO_NETWORK = """
 import socket
 def _blocked(*args, **kwargs):
     raise OSError("network access is disabled in the python tool")
-socket.socket = _blocked
-socket.create_connection = _blocked
-socket.getaddrinfo = _blocked
+socket.socket.connect = socket.socket.connect_ex = socket.socket.sendto = _blocked
+socket.create_connection = socket.getaddrinfo = _blocked
 del socket, _blocked
 """
-"""Prepended to the snippet: every socket the snippet opens fails (and on Linux, unshare below removes the
-network altogether where the kernel lets unprivileged users do so)."""
+"""Prepended to the snippet: no socket can connect or resolve a name (and on Linux, `unshare -rn` below removes
+the network altogether where the kernel lets unprivileged users do so)."""
 
 
 @tool(name="python")
