@@ -22,7 +22,7 @@ from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import mean_over_steps, mini_batches, setup_process, shuffle_seed, token_share
 
 
 class ActorRolloutRefWorker(Worker):
@@ -118,7 +118,7 @@ class ActorRolloutRefWorker(Worker):
         """PPO epochs over this rank's share, then the weight hand-off to the rollout; returns metrics."""
         a = self.config.actor
         max_tokens = a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
-        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        seed = shuffle_seed(self, self.update_count)
         # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
         steps = [
@@ -224,7 +224,7 @@ class ActorRolloutRefWorker(Worker):
     def save_pretrained(self, out_dir: str, engine_config: dict | None = None) -> None:
         """Write the actor as a Hugging Face directory with its tokenizer, the run's stop tokens as EOS
         and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
-        state = gather_hf_state(self.actor)
+        state = gather_hf_state(self.actor, keep=self.rank == 0)
         if self.rank == 0:
             stops = stop_token_ids(self.tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)

@@ -29,6 +29,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def shuffle_seed(worker, update_count: int) -> int:
+    """The seed of one update's mini-batch shuffle: shared by tensor/pipeline peers (Megatron needs every peer
+    to see the same rows in the same order) and different between data-parallel ranks."""
+    return worker.config.trainer.seed + 7919 * update_count + worker.dispatch_rank()[0]
+
+
 def mini_batches(
     data: DataProto, plan: UpdatePlan, shuffle: bool, seed: int, max_tokens: int | None = None
 ) -> Iterator[list[DataProto]]:

@@ -17,7 +17,7 @@ from ketch.engine.heads import ValueModel
 from ketch.engine.megatron.grid import RankGrid
 from ketch.models import load_critic
 from ketch.protocol import DataProto
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import mean_over_steps, mini_batches, setup_process, shuffle_seed, token_share
 
 
 class CriticWorker(Worker):
@@ -69,7 +69,7 @@ class CriticWorker(Worker):
     @register(DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Value-loss epochs over this rank's share; returns metrics."""
-        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        seed = shuffle_seed(self, self.update_count)
         steps = [
             self.critic.train_mini_batch(micros, self._loss)
             for micros in mini_batches(data, self.plan.critic, self.config.actor.shuffle, seed)
@@ -89,7 +89,7 @@ class CriticWorker(Worker):
     @register(ONE_TO_ALL)
     def save_pretrained(self, out_dir: str) -> None:
         """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label)."""
-        state = gather_hf_state(self.critic)
+        state = gather_hf_state(self.critic, keep=self.rank == 0)
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir)
 

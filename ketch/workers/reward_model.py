@@ -108,7 +108,7 @@ class RewardModelWorker(Worker):
     def save_pretrained(self, out_dir: str) -> None:
         """Write the reward model as a Hugging Face directory (`*ForSequenceClassification`, one label) with its
         tokenizer (every rank gathers, rank 0 writes)."""
-        state = gather_hf_state(self.engine)
+        state = gather_hf_state(self.engine, keep=self.rank == 0)
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer)
 
