@@ -69,12 +69,8 @@ def get_rollout_class(name: str) -> type[Rollout]:
 def build_rollout(
     config: KetchConfig, model_path: str, tokenizer, dtype: torch.dtype, device: torch.device, seed: int
 ) -> Rollout:
-    """The backend named by `rollout.name`, loaded from `model_path`; inside the turn loop when
-    `rollout.multi_turn.enable`."""
-    from ketch.rollout.multi_turn import with_multi_turn
-
-    backend = get_rollout_class(config.rollout.name)(config, model_path, tokenizer, dtype, device, seed)
-    return with_multi_turn(backend, config, tokenizer)
+    """The backend named by `rollout.name`, loaded from `model_path`."""
+    return get_rollout_class(config.rollout.name)(config, model_path, tokenizer, dtype, device, seed)
 
 
 def stop_token_ids(eos_token_id: int, extra: list[int]) -> list[int]:

@@ -13,14 +13,23 @@ from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
 from ketch.engine.megatron.grid import RankGrid
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_critic
 from ketch.protocol import DataProto
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, shuffle_seed, token_share
+from ketch.workers.common import (
+    DeviceMemory,
+    mean_over_steps,
+    mini_batches,
+    setup_process,
+    shuffle_seed,
+    token_share,
+)
 
 
-class CriticWorker(Worker):
+class CriticWorker(DeviceMemory, Worker):
     """Holds the value model; its backbone starts from `critic.model_path` or the actor's `model_path`."""
 
     def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
@@ -36,6 +45,8 @@ class CriticWorker(Worker):
             c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
         )
         self.hf_config = critic.config
+        if m.use_liger:
+            fuse_kernels(critic, self.device)
         mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         if c.critic.strategy == "megatron":
             from ketch.engine.megatron.engine import MegatronEngine
@@ -48,7 +59,12 @@ class CriticWorker(Worker):
             )
         else:
             self.critic = TrainEngine(
-                ValueModel(critic), self.device, c.critic.optim, self.total_updates, mixed, m.gradient_checkpointing
+                ValueModel(critic, packing_enabled(m.use_remove_padding, self.device)),
+                self.device,
+                c.critic.optim,
+                self.total_updates,
+                mixed,
+                m.gradient_checkpointing,
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:

@@ -9,18 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
-import os
 import random
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from ketch.cache import cache_dir
 from ketch.config.schema import BUILTIN_PREFERENCE_TASK, BUILTIN_TASK
+from ketch.data.parquet import write_rows_atomic
 
 DATA_SOURCE = "ketch/arithmetic"
 SPLITS = ("train", "val")
@@ -111,17 +107,6 @@ def generate_arithmetic_task(task: ArithmeticTask) -> dict[str, list[dict[str, A
         "train": [_row(p, i, "train") for i, p in enumerate(train)],
         "val": [_row(p, i, "val") for i, p in enumerate(val)],
     }
-
-
-def write_rows_atomic(rows: list[dict[str, Any]], path: Path) -> None:
-    """Write `rows` as Parquet to a temporary file next to `path`, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_arithmetic_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ketch.cache import cache_dir
-from ketch.data.builtin.arithmetic import write_rows_atomic
+from ketch.data.parquet import write_rows_atomic
 
 BUILTIN_CALCULATOR_TASK = "builtin:calculator"
 DATA_SOURCE = "ketch/calculator"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ketch.config.schema import KetchConfig
 from ketch.rollout.base import Rollout
+from ketch.rollout.multi_turn import builtin_tools  # noqa: F401  (registers `calculate` and `python`)
 from ketch.rollout.multi_turn.environment import Environment, ToolEnvironment
 from ketch.rollout.multi_turn.loop import TRAJECTORY_COLUMNS, MultiTurnRollout
 from ketch.rollout.multi_turn.metrics import trajectory_metrics

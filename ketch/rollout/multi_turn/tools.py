@@ -77,8 +77,6 @@ def register_tool(fn: Callable | Tool) -> Callable | Tool:
 
 def resolve_tools(entries: list[str]) -> dict[str, Tool]:
     """The tools named by `rollout.multi_turn.tools`: registered names and `.py` files, by tool name."""
-    from ketch.rollout.multi_turn import builtin_tools  # noqa: F401  (registers calculate and python)
-
     tools: dict[str, Tool] = {}
     for entry in entries:
         found = load_tools_file(entry) if entry.endswith(".py") else [_registered(entry)]
