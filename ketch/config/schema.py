@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 BUILTIN_TASK = "builtin:arithmetic"
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
+BUILTIN_CALCULATOR_MODEL = "builtin:tiny-calculator"
 BUILTIN_PREFERENCE_TASK = "builtin:arithmetic-preference"
 
 COMMAND_DEFAULTS: dict[str, tuple[str, ...]] = {
@@ -241,6 +242,23 @@ class ValSamplingConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    enable: bool = False
+    """Multi-turn rollouts: the model's turns alternate with tool results (or an environment's answers)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the model may call: registered names (`calculate`, `python`) and `path/to/tools.py` files."""
+    environment: str | None = None
+    """`path/to/env.py:ClassName`, a class with reset(row) and step(messages), instead of the tool environment."""
+    format: str = "auto"
+    """Tool-call format: `hermes` (`<tool_call>{...}</tool_call>`), `llama3` (a JSON object), or auto (from the
+    chat template)."""
+    max_turns: int = 4
+    """Model turns per trajectory at most."""
+    tool_timeout: float = 10.0
+    """Seconds a tool call may take before its reply is a timeout error."""
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["hf", "vllm"] = "hf"
     """Generation backend."""
@@ -282,6 +300,8 @@ class RolloutConfig:
     """Debug: after each weight hand-off, compare one weight's norm in the rollout engine with the actor's."""
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using rollouts."""
 
 
 @dataclass(frozen=True)

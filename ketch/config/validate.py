@@ -212,6 +212,17 @@ def _sampling(c: KetchConfig) -> str | None:
     return None
 
 
+def _multi_turn(c: KetchConfig) -> str | None:
+    m = c.rollout.multi_turn
+    if not m.enable:
+        return None
+    if m.max_turns < 1 or m.tool_timeout <= 0:
+        return f"rollout.multi_turn.max_turns={m.max_turns} must be >= 1 and tool_timeout={m.tool_timeout} > 0"
+    if not m.tools and not m.environment:
+        return "rollout.multi_turn.enable=true needs rollout.multi_turn.tools (names or .py files) or .environment"
+    return None
+
+
 def _betas(c: KetchConfig) -> str | None:
     optimizers = {
         "actor.optim": c.actor.optim,
@@ -292,4 +303,4 @@ def _dapo(c: KetchConfig) -> str | None:
 
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is, _dapo)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn)

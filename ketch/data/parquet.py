@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import bisect
+import os
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -105,3 +108,14 @@ def read_parquet_files(files: list[str], required: Mapping[str, str]) -> Rows:
                 )
         rows.append(url, table)
     return rows
+
+
+def write_rows_atomic(rows: list[dict[str, Any]], path: Path) -> None:
+    """Write `rows` as Parquet to a temporary file next to `path`, then rename it into place."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -20,6 +20,9 @@ def summarize(run: RunRecord) -> str:
     lines += _trend_line(run, "critic/score/mean", "reward (mean score)")
     lines += _trend_line(run, "response_length/mean", "response length (tokens)")
     lines += _trend_line(run, "actor/entropy", "entropy (nats/token)")
+    lines += _trend_line(run, "multi_turn/tool_call_rate", "tool-call rate (trajectories with a call)")
+    lines += _trend_line(run, "multi_turn/tool_error_rate", "tool error rate (errors per call)")
+    lines += _trend_line(run, "multi_turn/num_turns/mean", "turns per trajectory")
     lines += _time_lines(run)
     failures = [e for e in run.events if e["event"] == "failure"]
     for f in failures:

@@ -19,7 +19,7 @@ def extract_answer(solution_str: str) -> int | None:
         return None
 
 
-@register_scorer("ketch/arithmetic")
+@register_scorer("ketch/arithmetic", "ketch/calculator")
 def score_arithmetic(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
     """1.0 when the answer after the last `####` equals the integer `ground_truth` (e.g. "-7"), else 0.0."""
     answer = extract_answer(solution_str)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from ketch.data.values import object_array
 from ketch.protocol import DataProto
 from ketch.rewards.custom import load_reward_function
 from ketch.rewards.registry import UnknownDataSourceError, scorer_for
@@ -60,7 +61,9 @@ class RewardScorer:
 
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, Any]]:
         """Score `data` (batch: responses, response_mask `[batch, response_len]`; non_tensor: data_source,
-        ground_truth, optional extra_info).
+        ground_truth, optional extra_info). A multi-turn trajectory is scored whole: the text is every response
+        token the attention mask covers (tool results too), and extra_info gains `messages` (the conversation)
+        and `env_reward` (the environment's reward, NaN if none).
 
         Returns `token_level_scores` `[batch, response_len]` float32, zero except the score at each row's last
         mask==1 position, and info: `scores` np.float64 `[batch]`, `response_texts` list[str], `extra` {field:
@@ -70,7 +73,8 @@ class RewardScorer:
         sources, truths, extra_infos = _columns(data)
         last = _last_valid_index(mask)
         scorers = self._resolve_scorers(sources)
-        token_ids = [row[valid].tolist() for row, valid in zip(responses.cpu(), mask.bool().cpu(), strict=True)]
+        shown = _trajectory_mask(data, mask).bool().cpu()
+        token_ids = [row[valid].tolist() for row, valid in zip(responses.cpu(), shown, strict=True)]
         texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
         scores = np.zeros(len(texts), dtype=np.float64)
         extras: list[dict[str, Any]] = [{} for _ in texts]
@@ -186,7 +190,17 @@ def _columns(data: DataProto) -> tuple[list[str], np.ndarray, np.ndarray]:
     extra_info = columns.get("extra_info")
     if extra_info is None:
         extra_info = np.full(len(data), None, dtype=object)
+    if "messages" in columns:
+        trajectory = zip(extra_info, columns["messages"], columns["env_reward"], strict=True)
+        extra_info = object_array([{**(e or {}), "messages": m, "env_reward": r} for e, m, r in trajectory])
     return [str(s) for s in columns["data_source"]], columns["ground_truth"], extra_info
+
+
+def _trajectory_mask(data: DataProto, response_mask: torch.Tensor) -> torch.Tensor:
+    """The response tokens to decode `[batch, response_len]`: the response part of the attention mask when the
+    batch has one (a multi-turn trajectory's tool results included), else `response_mask`."""
+    attention_mask = data.batch.get("attention_mask")
+    return response_mask if attention_mask is None else attention_mask[:, -response_mask.shape[1] :]
 
 
 def _last_valid_index(mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The built-in model: a tiny Qwen2 warmed up by a short SFT on the built-in task, cached per settings.
+"""The built-in models: a tiny Qwen2 warmed up by a short SFT on a built-in task, cached per settings
+(`builtin:tiny-arithmetic` on arithmetic; `builtin:tiny-calculator` on demonstrations of the `calculate` tool).
 
 A random model cannot do arithmetic, so `ketch train` with no arguments first fine-tunes the tiny model
 to a partly-correct state (once per machine; the result is cached under the user cache directory, keyed
@@ -12,13 +13,16 @@ import json
 import logging
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from ketch.cache import cache_dir
 from ketch.config import KetchConfig, load_config
-from ketch.config.schema import BUILTIN_MODEL, BUILTIN_TASK
+from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL, BUILTIN_TASK
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
+from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, CalculatorTask
+from ketch.data.builtin.calculator import DATA_SOURCE as CALCULATOR_SOURCE
 from ketch.models import save_tiny_model, tiny_qwen2_config
 from ketch.models.gguf import cached_gguf_model, is_gguf
 
@@ -43,17 +47,59 @@ WARMUP_OVERRIDES = (
 WARMUP_TARGET = 0.2
 """Validation accuracy at which the warm-up stops: partly correct, so that PPO has room to improve it."""
 
+CALCULATOR_WARMUP_OVERRIDES = (
+    f"data.train_files=[{BUILTIN_CALCULATOR_TASK}/train]",
+    f"data.val_files=[{BUILTIN_CALCULATOR_TASK}/val]",
+    "data.max_prompt_length=32",
+    "data.max_response_length=128",
+    "data.train_batch_size=32",
+    "actor.optim.lr=0.002",
+    "actor.optim.warmup_steps=20",
+    "trainer.total_steps=1000",
+    "trainer.test_freq=50",
+    "trainer.log_interval=50",
+    "trainer.seed=0",
+    "rollout.multi_turn.enable=true",
+    "rollout.multi_turn.tools=[calculate]",
+)
+"""The calculator warm-up: SFT on demonstrations of the call format, validated with the tool in the loop."""
+
+CALCULATOR_WARMUP_TARGET = 0.2
+
+
+@dataclass(frozen=True)
+class Warmup:
+    """How a built-in model is made: a short SFT of the tiny model until `metric` reaches `target`."""
+
+    task_hash: str
+    overrides: tuple[str, ...]
+    metric: str
+    target: float
+
+
+WARMUPS = {
+    BUILTIN_MODEL: Warmup(ArithmeticTask().settings_hash(), WARMUP_OVERRIDES, f"val/{DATA_SOURCE}/acc", WARMUP_TARGET),
+    BUILTIN_CALCULATOR_MODEL: Warmup(
+        CalculatorTask().settings_hash(),
+        CALCULATOR_WARMUP_OVERRIDES,
+        f"val/{CALCULATOR_SOURCE}/acc",
+        CALCULATOR_WARMUP_TARGET,
+    ),
+}
+"""The built-in models by `model.path`."""
+
 
 def resolve_model_path(config: KetchConfig) -> str:
-    """`model.path`, or for the built-in model the cached warmed-up directory (built on first use), or for a
+    """`model.path`, or for a built-in model the cached warmed-up directory (built on first use), or for a
     `.gguf` file its cached conversion to a Hugging Face directory (converted on first use)."""
-    if is_gguf(config.model.path):
-        return str(cached_gguf_model(config.model.path))
-    if config.model.path != BUILTIN_MODEL:
-        return local_or_hub(config.model.path)
-    target = cache_dir() / "models" / f"tiny-arithmetic-{_settings_hash()}"
+    name = config.model.path
+    if is_gguf(name):
+        return str(cached_gguf_model(name))
+    if name not in WARMUPS:
+        return local_or_hub(name)
+    target = cache_dir() / "models" / f"{name.removeprefix('builtin:')}-{_settings_hash(WARMUPS[name])}"
     if not (target / "config.json").is_file():
-        _warm_up(target, config.trainer.device)
+        _warm_up(target, WARMUPS[name], config.trainer.device)
     return str(target)
 
 
@@ -63,19 +109,19 @@ def local_or_hub(path: str) -> str:
     return str(local.resolve()) if local.exists() else path
 
 
-def _settings_hash() -> str:
+def _settings_hash(warmup: Warmup) -> str:
     tokenizer = build_char_tokenizer()
     model = tiny_qwen2_config(tokenizer)
     settings = {
-        "task": ArithmeticTask().settings_hash(),
+        "task": warmup.task_hash,
         "model": model.to_dict(),
-        "warmup": [WARMUP_OVERRIDES, WARMUP_TARGET],
+        "warmup": [warmup.overrides, warmup.target],
         "format": _FORMAT_VERSION,
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _warm_up(target: Path, device: str) -> None:
+def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
     from ketch.trainer.sft import SFTTrainer
 
     logger.info("warming up the built-in tiny model with a short SFT (once; cached in %s)", target)
@@ -83,10 +129,9 @@ def _warm_up(target: Path, device: str) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".warmup-") as tmp:
         init = Path(tmp) / "init"
         save_tiny_model(init, build_char_tokenizer(), seed=0)
-        overrides = [*WARMUP_OVERRIDES, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
+        overrides = [*warmup.overrides, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
         overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
-        accuracy = f"val/{DATA_SOURCE}/acc"
-        SFTTrainer(load_config(overrides=overrides)).fit(stop_when=lambda m: m.get(accuracy, 0.0) >= WARMUP_TARGET)
+        SFTTrainer(load_config(overrides=overrides)).fit(stop_when=lambda m: m.get(warmup.metric, 0.0) >= warmup.target)
         if not (target / "config.json").is_file():
             shutil.rmtree(target, ignore_errors=True)
             (Path(tmp) / "warmup" / "model").rename(target)

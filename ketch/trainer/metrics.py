@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ketch.protocol import DataProto
+from ketch.rollout.multi_turn.metrics import trajectory_metrics
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -41,7 +42,8 @@ def data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]
         metrics["actor/entropy"] = b["entropy"][mask].mean().item()
     metrics |= _stats("response_length", lengths)
     metrics["response_length/clip_ratio"] = truncated_fraction(b["responses"], b["response_mask"], max_response_length)
-    metrics |= _stats("prompt_length", b["attention_mask"].sum(-1) - lengths)
+    metrics |= _stats("prompt_length", b["attention_mask"][:, : -b["responses"].shape[1]].sum(-1))
+    metrics |= trajectory_metrics(batch.non_tensor_batch, lengths.numpy(), "multi_turn")
     return metrics
 
 

@@ -35,13 +35,14 @@ from ketch.models import load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
+from ketch.rollout.multi_turn import environment_factory
 from ketch.trainer.balance import balance_tokens
 from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_groups
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
-from ketch.trainer.validation import generate_and_score
+from ketch.trainer.validation import generate_and_score, generation_inputs
 
 logger = logging.getLogger("ketch")
 
@@ -63,6 +64,8 @@ class PPOTrainer(TrainingLoop):
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
         self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
+        if c.rollout.multi_turn.enable:  # a tools or environment file that does not import fails here
+            environment_factory(c, self.tokenizer)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
         if self.reward_model_path is not None:  # a bad reward model path fails before any work
             load_model_config(self.reward_model_path, c.model.trust_remote_code)
@@ -145,7 +148,7 @@ class PPOTrainer(TrainingLoop):
 
     def _generate(self, batch: DataProto, step: int) -> DataProto:
         """Sample responses; for ReMax also the greedy response of each prompt, whose score is the baseline."""
-        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+        prompts = generation_inputs(batch)
         batch = batch.union(self.actor_rollout.generate_sequences(prompts))
         if self.config.algorithm.adv_estimator == "remax":
             prompts.meta_info["do_sample"] = False

@@ -11,6 +11,7 @@ import numpy as np
 from ketch.config.schema import ValSamplingConfig
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
+from ketch.rollout.multi_turn.metrics import trajectory_metrics
 from ketch.trainer.metrics import validation_metrics
 
 
@@ -31,7 +32,7 @@ def generate_and_score(
     start = time.perf_counter()
     data = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(len(dataset))]))
     data = data.repeat(sampling.n, interleave=True)
-    prompts = data.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+    prompts = generation_inputs(data)
     prompts.meta_info = {"do_sample": sampling.do_sample, "temperature": sampling.temperature}
     parts = prompts.split((batch_size or len(dataset)) * sampling.n)
     data = data.union(DataProto.concat([actor_rollout.generate_sequences(p) for p in parts]))
@@ -41,8 +42,16 @@ def generate_and_score(
     sources = data.non_tensor_batch["data_source"]
     result = ValidationResult(validation_metrics(sources, info["scores"], lengths, answers, sampling.n))
     result.samples = _sample_rows(data, info, _prompt_texts(prompts[:: sampling.n], reward.tokenizer), sampling.n)
+    result |= trajectory_metrics(data.non_tensor_batch, lengths, "val/multi_turn")
     result["timing_s/testing"] = time.perf_counter() - start
     return result
+
+
+def generation_inputs(batch: DataProto) -> DataProto:
+    """What `generate_sequences` reads, taken out of `batch`: the prompt tensors (popped) and the rows'
+    non-tensor columns (copied; a multi-turn rollout reads `raw_prompt` and what its environment needs)."""
+    prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+    return prompts.union(batch.select(batch_keys=[], meta_keys=[]))
 
 
 def extracted_answers(info: dict[str, Any]) -> list[Any]:

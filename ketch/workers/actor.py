@@ -24,6 +24,7 @@ from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype, stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout
+from ketch.rollout.multi_turn import with_multi_turn
 from ketch.workers.common import (
     DeviceMemory,
     mean_over_steps,
@@ -69,9 +70,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                 TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device) if c.use_reference else None
             )
             self.hf_config = self.actor.module.lm.config
-        self.rollout = build_rollout(
-            c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank
-        )
+        backend = build_rollout(c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank)
+        self.rollout = with_multi_turn(backend, c, self.tokenizer)  # the turn loop when rollout.multi_turn.enable
         self._sync_rollout()
 
     def _build_megatron_engines(self) -> None:

@@ -9,18 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
-import os
 import random
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from ketch.cache import cache_dir
 from ketch.config.schema import BUILTIN_PREFERENCE_TASK, BUILTIN_TASK
+from ketch.data.parquet import write_rows_atomic
 
 DATA_SOURCE = "ketch/arithmetic"
 SPLITS = ("train", "val")
@@ -113,17 +109,6 @@ def generate_arithmetic_task(task: ArithmeticTask) -> dict[str, list[dict[str, A
     }
 
 
-def write_rows_atomic(rows: list[dict[str, Any]], path: Path) -> None:
-    """Write `rows` as Parquet to a temporary file next to `path`, then rename it into place."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        pq.write_table(pa.Table.from_pylist(rows), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_arithmetic_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str, Path]:
     """Generate the task and write `train.parquet` and `val.parquet` into `out_dir`; returns the paths by split."""
     out = Path(out_dir)
@@ -145,18 +130,19 @@ def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
 
 
 def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
-    """`files` with `builtin:arithmetic/{train,val}` and `builtin:arithmetic-preference/{sft,train,val}`
-    replaced by cached Parquet paths.
+    """`files` with `builtin:arithmetic/{train,val}`, `builtin:arithmetic-preference/{sft,train,val}` and
+    `builtin:calculator/{train,val}` replaced by cached Parquet paths.
 
     Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
     """
+    from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, builtin_calculator_files
     from ketch.data.builtin.preference import (  # built on this module
         PREFERENCE_SPLITS,
         PreferenceTask,
         builtin_preference_files,
     )
 
-    splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS}
+    splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS, BUILTIN_CALCULATOR_TASK: SPLITS}
     resolved = []
     for entry in files:
         if not entry.startswith("builtin:"):
@@ -166,7 +152,9 @@ def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> 
         if split not in splits.get(name, ()):
             choices = ", ".join(f"{n}/{s}" for n, names in splits.items() for s in names)
             raise ValueError(f"unknown built-in data set {entry!r} in the data files; the built-in ones are: {choices}")
-        if name == BUILTIN_TASK:
+        if name == BUILTIN_CALCULATOR_TASK:
+            resolved.append(str(builtin_calculator_files()[split]))
+        elif name == BUILTIN_TASK:
             resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
         else:
             resolved.append(str(builtin_preference_files(PreferenceTask(task or ArithmeticTask()))[split]))

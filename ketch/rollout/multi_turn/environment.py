@@ -1,0 +1,100 @@
+"""Environments: what answers the model between its turns. `ToolEnvironment` runs the model's tool calls;
+a user's class (`rollout.multi_turn.environment=path/to/env.py:Name`) can be any task with the same two methods.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Protocol
+
+from ketch.data.chat_templates import to_messages
+from ketch.rollout.multi_turn.parsers import Parser, ToolCall
+from ketch.rollout.multi_turn.tools import Tool
+
+Message = dict[str, Any]
+
+_CALLS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="ketch-tool")
+"""Runs tool calls; a call past its timeout is abandoned (its thread finishes on its own; the code tool's
+subprocess is killed by its own limit)."""
+
+
+class Environment(Protocol):
+    """One trajectory's counterpart. `reset(row)` gets the dataset row (its columns by name) and returns the
+    opening messages; `step(messages)` gets the conversation so far (the model's turn last) and returns
+    (messages to append, reward or None, done). Optional attributes: `tools` (JSON schemas the chat template
+    shows the model) and `stats` (numbers summed into the rollout metrics)."""
+
+    def reset(self, row: dict[str, Any]) -> list[Message]: ...
+
+    def step(self, messages: list[Message]) -> tuple[list[Message], float | None, bool]: ...
+
+
+def row_messages(row: dict[str, Any]) -> list[Message]:
+    """The row's prompt as chat messages (a plain string prompt becomes one user message)."""
+    prompt = row.get("raw_prompt")
+    if prompt is None:
+        raise ValueError("a multi-turn rollout needs each row's raw_prompt (the dataset's prompt column)")
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else to_messages(prompt)
+
+
+class ToolEnvironment:
+    """Parses the model's tool calls, runs them concurrently with a per-call timeout and answers with one tool
+    message per call; done when a turn has no call. A failing call (bad JSON, unknown tool, bad arguments, an
+    exception, a timeout, a result that is not text) is answered with an error message the model reads."""
+
+    def __init__(self, tools: dict[str, Tool], parser: Parser, timeout: float):
+        self.all_tools, self.parser, self.timeout = tools, parser, timeout
+        self.tools_by_name = tools
+        self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_time": 0.0}
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return [t.schema for t in self.tools_by_name.values()]
+
+    def reset(self, row: dict[str, Any]) -> list[Message]:
+        """The row's prompt; a `tools` column or `extra_info["tools"]` (a list of names) limits the tools."""
+        extra = row.get("extra_info")
+        allowed = row.get("tools")
+        if allowed is None and isinstance(extra, dict):
+            allowed = extra.get("tools")
+        if allowed is not None:
+            unknown = [name for name in allowed if name not in self.all_tools]
+            if unknown:
+                raise ValueError(f"the row allows tools {unknown} that are not loaded (rollout.multi_turn.tools)")
+            self.tools_by_name = {name: self.all_tools[name] for name in allowed}
+        return row_messages(row)
+
+    def step(self, messages: list[Message]) -> tuple[list[Message], None, bool]:
+        calls = self.parser(messages[-1]["content"])
+        if not calls:
+            return [], None, True
+        start = time.perf_counter()
+        futures = [_CALLS.submit(self._run, call) for call in calls]
+        replies = [self._result(call, future, start) for call, future in zip(calls, futures, strict=True)]
+        self.stats["tool_calls"] += len(calls)
+        self.stats["tool_time"] += time.perf_counter() - start
+        messages = [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, replies, strict=True)]
+        return messages, None, False
+
+    def _run(self, call: ToolCall) -> str:
+        if call.error is not None:
+            raise ValueError(call.error)
+        if call.name not in self.tools_by_name:
+            raise LookupError(f"unknown tool {call.name!r}; available: {', '.join(self.tools_by_name) or 'none'}")
+        result = self.tools_by_name[call.name].fn(**call.arguments)
+        if not isinstance(result, str):
+            raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not text")
+        return result
+
+    def _result(self, call: ToolCall, future, start: float) -> str:
+        try:
+            return future.result(timeout=max(0.0, self.timeout - (time.perf_counter() - start)))
+        except FutureTimeout:
+            self.stats["tool_timeouts"] += 1
+            self.stats["tool_errors"] += 1
+            return f"error: tool {call.name!r} timed out after {self.timeout:g} s"
+        except Exception as exc:  # the model sees every failure as the tool's reply
+            self.stats["tool_errors"] += 1
+            return f"error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,156 @@
+"""The turn loop with a scripted policy: exact tokens, masks and log-probs of trajectories with tool calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ketch.algorithms import get_policy_loss
+from ketch.config import load_config
+from ketch.data import RLHFDataset, SFTDataset, build_char_tokenizer
+from ketch.data.builtin.calculator import CALL, builtin_calculator_files
+from ketch.data.values import object_array
+from ketch.protocol import DataProto
+from ketch.rewards import RewardScorer
+from ketch.rollout.base import Rollout, rollout_output
+from ketch.rollout.multi_turn import MultiTurnRollout, environment_factory
+
+SCRIPT = {
+    "3*4=": [CALL.format("3*4"), CALL.format("12+1"), "#### 13"],  # two tool calls, then the answer
+    "2+5=": ["#### 7"],  # no call
+}
+LOG_PROB = -0.5
+
+
+class ScriptedPolicy(Rollout):
+    """Answers turn k of a prompt with script[prompt][k] and EOS, every token with log-prob LOG_PROB."""
+
+    def __init__(self, tokenizer, max_response_length: int, script: dict[str, list[str]] = SCRIPT):
+        self.tokenizer, self.max_response_length, self.script = tokenizer, max_response_length, script
+        self.calls: list[int] = []
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        self.calls.append(len(prompts))
+        rows = []
+        for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"].bool(), strict=True):
+            context = self.tokenizer.decode(ids[mask].tolist())
+            question = context.split("\n")[0].removeprefix("user: ")
+            turn = self.script[question][context.count("assistant: ") - 1]
+            rows.append(self.tokenizer(turn)["input_ids"] + [self.tokenizer.eos_token_id])
+        responses = torch.zeros(len(rows), self.max_response_length, dtype=torch.long)
+        for i, row in enumerate(rows):
+            responses[i, : len(row)] = torch.tensor(row)
+        log_probs = torch.full(responses.shape, LOG_PROB)
+        return rollout_output(prompts, responses, log_probs, [self.tokenizer.eos_token_id], 0)
+
+    def update_weights(self, named_tensors) -> None: ...
+
+    def weight_norm(self, name: str) -> float:
+        return 0.0
+
+
+def run(prompts: list, *overrides: str, script: dict[str, list[str]] = SCRIPT) -> tuple[DataProto, ScriptedPolicy]:
+    config = load_config(
+        overrides=[
+            "rollout.multi_turn.enable=true",
+            "rollout.multi_turn.tools=[calculate]",
+            "data.max_prompt_length=32",
+            "data.max_response_length=240",
+            *overrides,
+        ]
+    )
+    tokenizer = build_char_tokenizer()
+    policy = ScriptedPolicy(tokenizer, config.data.max_response_length, script)
+    rollout = MultiTurnRollout(policy, config, tokenizer, environment_factory(config, tokenizer))
+    raw = object_array(prompts)
+    dummy = torch.zeros(len(prompts), 1, dtype=torch.long)  # the loop renders the prompts itself
+    batch = DataProto.from_dict({"input_ids": dummy}, {"raw_prompt": raw}, {"temperature": 1.0})
+    return rollout.generate(batch), policy
+
+
+def test_two_tool_calls_mask_exactly_the_sampled_tokens():
+    out, policy = run(["3*4=", "2+5="])
+    b, c = out.batch, out.non_tensor_batch
+    # Prompt "user: 3*4=\nassistant: " is 22 characters = 22 tokens, left-padded to 32.
+    assert b["prompts"].shape == (2, 32) and b["attention_mask"][0, :32].sum() == 22
+    # Turn 1: the call (80 characters) + EOS = 81 sampled; glue "\ntool: 12\nassistant: " = 21;
+    # turn 2: the call with "12+1" (81) + EOS = 82; glue "\ntool: 13\nassistant: " = 21; "#### 13" + EOS = 8.
+    expected_mask = [1] * 81 + [0] * 21 + [1] * 82 + [0] * 21 + [1] * 8 + [0] * (240 - 213)
+    assert b["response_mask"][0].tolist() == expected_mask
+    assert b["attention_mask"][0, 32:].tolist() == [1] * 213 + [0] * 27
+    tokenizer = build_char_tokenizer()
+    glue = tokenizer.decode(b["responses"][0, 81:102].tolist())
+    assert glue == "\ntool: 12\nassistant: "
+    assert b["rollout_log_probs"][0].sum().item() == pytest.approx(LOG_PROB * (81 + 82 + 8))
+    assert (b["rollout_log_probs"][0][b["response_mask"][0] == 0] == 0).all()
+    # The row without a call ends after its one turn: "#### 7" + EOS.
+    assert b["response_mask"][1].tolist() == [1] * 7 + [0] * 233
+    # Rows progress independently: turn 1 for both, turns 2 and 3 for the first row alone.
+    assert policy.calls == [2, 1, 1]
+    assert c["num_turns"].tolist() == [3, 1] and c["tool_calls"].tolist() == [2, 0]
+    assert [m["role"] for m in c["messages"][0]] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert c["messages"][0][4]["content"] == "13"
+
+
+def test_a_tool_result_changes_no_gradient():
+    out, _ = run(["3*4="])
+    b = out.batch
+    log_prob = b["rollout_log_probs"].clone().requires_grad_()
+    advantages = torch.ones(b["response_mask"].shape)
+    loss, _ = get_policy_loss("vanilla")(
+        b["rollout_log_probs"], log_prob, advantages, b["response_mask"], loss_agg_mode="token-mean"
+    )
+    loss.backward()
+    # On-policy (ratio 1), the token-mean of -ratio * advantage over the 171 sampled tokens: -1/171 on each,
+    # 0 on the 42 tool-result and glue tokens and on the padding.
+    grad, mask = log_prob.grad[0], b["response_mask"][0]
+    assert grad[mask == 0].abs().max().item() == 0.0
+    torch.testing.assert_close(grad[mask == 1], torch.full((171,), -1 / 171))
+
+
+def test_max_turns_and_the_length_budget_cut_trajectories():
+    out, _ = run(["3*4="], "rollout.multi_turn.max_turns=2")
+    assert out.batch["response_mask"][0].sum().item() == 81 + 82
+    assert out.batch["attention_mask"][0, 32:].sum().item() == 81 + 21 + 82
+    assert out.non_tensor_batch["cut_by_max_turns"].tolist() == [1.0]
+    out, _ = run(["3*4="], "data.max_response_length=100")
+    # 81 sampled, then the 21-token glue is cut to the 19 tokens left.
+    assert out.batch["response_mask"][0].tolist() == [1] * 81 + [0] * 19
+    assert out.non_tensor_batch["cut_by_length"].tolist() == [1.0]
+    assert out.non_tensor_batch["num_turns"].tolist() == [1]
+
+
+def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
+    """The SFT warm-up teaches exactly the token layout the turn loop produces: the call, EOS, the glue with
+    the tool's reply, the answer, EOS."""
+    config = load_config(overrides=["data.max_prompt_length=32", "data.max_response_length=128"])
+    val = builtin_calculator_files()["val"]
+    demo = SFTDataset(str(val), build_char_tokenizer(), config.data)[0]
+    row = RLHFDataset(str(val), build_char_tokenizer(), config.data)[0]
+    question = row["raw_prompt"][0]["content"]
+    expression, answer = question.removesuffix("="), row["ground_truth"]
+    script = {question: [CALL.format(expression), f"#### {answer}"]}
+    out, _ = run([row["raw_prompt"]], "data.max_response_length=128", script=script)
+    b = out.batch
+    prompt_ids = b["prompts"][0][b["attention_mask"][0, :32].bool()].tolist()
+    response_ids = b["responses"][0][b["attention_mask"][0, 32:].bool()].tolist()
+    assert prompt_ids + response_ids == demo["input_ids"].tolist()
+    assert b["response_mask"][0].sum().item() == demo["loss_mask"].sum().item() - len(f"\ntool: {answer}\nassistant: ")
+
+
+REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info):
+    return {"score": float(solution_str.endswith("#### 13")), "saw_tool": float("tool: 12" in solution_str),
+            "messages": float(len(extra_info["messages"]))}
+"""
+
+
+def test_the_reward_function_sees_the_whole_trajectory(tmp_path):
+    out, _ = run(["3*4=", "2+5="])
+    out.non_tensor_batch |= {"data_source": object_array(["x", "x"]), "ground_truth": object_array(["13", "7"])}
+    (tmp_path / "reward.py").write_text(REWARD)
+    scores, info = RewardScorer(build_char_tokenizer(), f"{tmp_path / 'reward.py'}:score")(out)
+    assert info["scores"].tolist() == [1.0, 0.0]
+    assert info["extra"]["saw_tool"].tolist() == [1.0, 0.0] and info["extra"]["messages"].tolist() == [6.0, 2.0]
+    # The score sits on the last sampled token: the EOS after "#### 13", position 212 of the response.
+    assert scores[0].nonzero().flatten().tolist() == [212]
