@@ -19,7 +19,8 @@ from ketch.config import KetchConfig, load_config
 from ketch.config.schema import BUILTIN_MODEL, BUILTIN_TASK
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
-from ketch.models import save_tiny_model, tiny_qwen2_config
+from ketch.models import local_or_hub, save_tiny_model, tiny_qwen2_config
+from ketch.trainer.sft import SFTTrainer
 
 logger = logging.getLogger("ketch")
 
@@ -53,12 +54,6 @@ def resolve_model_path(config: KetchConfig) -> str:
     return str(target)
 
 
-def local_or_hub(path: str) -> str:
-    """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
-    local = Path(path).expanduser()
-    return str(local.resolve()) if local.exists() else path
-
-
 def _settings_hash() -> str:
     tokenizer = build_char_tokenizer()
     model = tiny_qwen2_config(tokenizer)
@@ -72,8 +67,6 @@ def _settings_hash() -> str:
 
 
 def _warm_up(target: Path, device: str) -> None:
-    from ketch.trainer.sft import SFTTrainer
-
     logger.info("warming up the built-in tiny model with a short SFT (once; cached in %s)", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".warmup-") as tmp:
