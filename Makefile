@@ -29,6 +29,9 @@ $(VLLM_STAMP): $(STAMP)
 	touch $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || echo "note: Chromium is \
+	not installed, so the report's browser test is skipped (Debian/Ubuntu: sudo apt-get install chromium; \
+	macOS: brew install --cask chromium)"
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 

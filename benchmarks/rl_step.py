@@ -2,23 +2,31 @@
 
 Workload (`--scale full`): a Qwen2.5-0.5B-shaped model with random weights in bf16, GRPO without KL or
 critic, 16 prompts x 8 samples per step, prompts of 128 tokens, responses of exactly 256 tokens
-(`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6. `--variant ppo` runs the same with a critic,
-GAE and a KL penalty to a reference policy. `--scale small` is a scaled-down copy that runs on a CPU.
+(`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6, update micro-batches of up to 49,152 tokens (one
+per GPU). `--variant ppo` runs the same with a critic, GAE and a KL penalty to a reference policy.
+`--scale small` is a scaled-down copy that runs on a CPU.
+`--workload variable` lets responses stop: one token id in `STOP_EVERY` is a stop token (about one stop
+per `STOP_EVERY` sampled tokens on a random model, so lengths spread over the whole range) and the reward
+pays for stopping early.
 
     PYTHONPATH=. python3 benchmarks/rl_step.py --variant grpo --warmup 2 --steps 5 --out results/x.json
 
-Prints per-stage seconds (median over the timed steps), tokens/s (prompt + response tokens per step time),
-decode tokens/s, training MFU and peak GPU memory, and writes them as JSON.
+Prints per-stage seconds (median over the timed steps) and writes them as JSON with: tokens/s (the real
+prompt + response tokens of each step's batch per step time), decode tokens/s (the real response tokens
+per generation time), the actor update's MFU against the peak of every GPU that ran, and each worker's
+peak GPU memory (read from the worker processes, so also under Ray).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -45,6 +53,7 @@ SCALES = {
         "prompt_len": 128,
         "response_len": 256,
         "micro": 32,
+        "max_tokens": 49152,
     },
     "small": {
         "vocab": 2048,
@@ -58,10 +67,13 @@ SCALES = {
         "prompt_len": 16,
         "response_len": 16,
         "micro": 16,
+        "max_tokens": 512,
     },
 }
 PEAK_BF16_FLOPS = {"cuda": 989e12}
 """Dense bf16 peak of an H200 (the figure TRL's 26.7% MFU on this workload refers to)."""
+STOP_EVERY = 128
+"""`--workload variable`: token ids 3, 3 + STOP_EVERY, ... stop a response."""
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "step")
 
 
@@ -103,7 +115,9 @@ def build_workload(root: Path, s: dict, steps: int) -> tuple[Path, Path]:
     return root / "model", root / "prompts.parquet"
 
 
-def overrides(s: dict, model: Path, data: Path, variant: str, device: str, steps: int, out: Path) -> list[str]:
+def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> list[str]:
+    variant, device = args.variant, args.device
+    reward = "score" if args.workload == "fixed" else "score_short"
     common = [
         f"model.path={model}",
         f"model.tokenizer_path={model.with_name('tokenizer')}",
@@ -114,17 +128,19 @@ def overrides(s: dict, model: Path, data: Path, variant: str, device: str, steps
         f"data.max_response_length={s['response_len']}",
         f"data.train_batch_size={s['prompts']}",
         f"rollout.n={s['n']}",
-        "rollout.ignore_eos=true",
+        *workload_overrides(args.workload, s["vocab"]),
         "model.dtype=bfloat16" if device == "cuda" else "model.dtype=float32",
         f"trainer.device={device}",
         "actor.optim.lr=1e-6",
         f"actor.ppo_mini_batch_size={s['prompts']}",
         "actor.ppo_epochs=1",
         f"actor.ppo_micro_batch_size_per_device={s['micro']}",
+        "actor.use_dynamic_bsz=true",
+        f"actor.ppo_max_token_len_per_device={s['max_tokens']}",
         f"critic.ppo_micro_batch_size_per_device={s['micro']}",
         f"rollout.log_prob_micro_batch_size_per_device={s['micro'] * 2}",
         f"ref.log_prob_micro_batch_size_per_device={s['micro'] * 2}",
-        f"reward.function={Path(__file__).with_name('bench_reward.py')}:score",
+        f"reward.function={Path(__file__).with_name('bench_reward.py')}:{reward}",
         "trainer.val_before_train=false",
         "trainer.logger=[jsonl]",
         f"trainer.total_steps={steps}",
@@ -135,48 +151,106 @@ def overrides(s: dict, model: Path, data: Path, variant: str, device: str, steps
     return [*common, "algorithm.adv_estimator=grpo"]
 
 
+def workload_overrides(workload: str, vocab: int) -> list[str]:
+    """`fixed`: every response runs to the full length; `variable`: one id in STOP_EVERY stops a response."""
+    if workload == "fixed":
+        return ["rollout.ignore_eos=true"]
+    stops = ",".join(str(i) for i in range(3, vocab, STOP_EVERY))
+    return ["rollout.ignore_eos=false", f"rollout.stop_token_ids=[{stops}]"]
+
+
 def run(args) -> dict:
-    s = SCALES[args.scale]
+    s = SCALES[args.scale] | ({"prompts": args.prompts} if args.prompts else {})
     root = Path(tempfile.mkdtemp(prefix="ketch-rl-step-"))
     total = args.warmup + args.steps
     model, data = build_workload(root, s, total)
-    config = load_config(overrides=overrides(s, model, data, args.variant, args.device, total, root) + args.set)
+    config = load_config(overrides=overrides(s, model, data, args, total, root) + args.set)
     trainer = PPOTrainer(config)
     trainer._open()
     records = []
-    for step in range(1, total + 1):
-        records.append(trainer._train_step(trainer.loader.next_batch(), step))
+    for step in range(1, total + 1 + bool(args.profile)):  # a profiled step comes after the timed ones
+        with profiled(args.profile if step > total else None):
+            records.append(trainer._train_step(trainer.loader.next_batch(), step))
         stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
         print(f"step {step}: {stages}", flush=True)
+    memory = worker_memory(trainer.groups)
+    rows = config.data.train_batch_size * config.rollout.n
+    devices = config.num_processes(args.device == "cuda")
     trainer.groups.shutdown()
-    return summarize(records[args.warmup :], s, args)
+    result = summarize(records[args.warmup : total], s, args, rows, devices)
+    result["device"] = _device_name(args.device)
+    result["first_step_s"] = records[0]["timing_s/step"]
+    result["workers_peak_memory"] = memory
+    if args.device == "cuda":
+        result["peak_gpu_memory_gib"] = max(m["allocated_gib"] for m in memory)
+    return result
 
 
-def summarize(records: list[dict], s: dict, args) -> dict:
+@contextmanager
+def profiled(out: str | None):
+    """Profile the enclosed step with torch.profiler (CPU and CUDA) and write its busiest operators and kernels
+    to `out`; only what runs in this process is seen (the one-GPU run without Ray)."""
+    if out is None:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+    tables.append(json.dumps({k: dict(v) for k, v in torch._dynamo.utils.counters.items()}, indent=1, default=str))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n\n".join(tables))
+
+
+def worker_memory(groups) -> list[dict]:
+    """Each worker process's peak GPU memory, per role and rank (colocated roles share a process, so the
+    actor's figure covers them)."""
+    found = []
+    for role in ("actor_rollout", "critic", "reward_model"):
+        group = getattr(groups, role)
+        if group is not None:
+            found += [{"role": role, "rank": rank, **m} for rank, m in enumerate(group.peak_device_memory())]
+    return found
+
+
+def summarize(records: list[dict], s: dict, args, rows: int, devices: int) -> dict:
+    """Medians over `records` (the timed steps' metrics) of the stage times and of the throughputs computed
+    from each step's real tokens: `rows` sequences per step over `devices` GPUs (or CPU processes)."""
     median = {
         k: statistics.median(r[f"timing_s/{k}"] for r in records) for k in STAGES if f"timing_s/{k}" in records[0]
     }
     median["weight_sync"] = statistics.median(r["timing_s/weight_sync"] for r in records)
     median["overhead"] = median["step"] - sum(v for k, v in median.items() if k not in ("step", "weight_sync"))
-    tokens = s["prompts"] * s["n"] * (s["prompt_len"] + s["response_len"])
-    new_tokens = s["prompts"] * s["n"] * s["response_len"]
+    tokens = [r["perf/total_num_tokens"] for r in records]
+    new_tokens = [r["response_length/mean"] * rows for r in records]
     params = _parameters(s)
     result = {
         "variant": args.variant,
+        "workload": args.workload,
         "scale": args.scale,
-        "device": _device_name(args.device),
+        "devices": devices,
         "overrides": args.set,
         "steps_timed": len(records),
+        "sequences_per_step": rows,
+        "tokens_per_step": statistics.median(tokens),
+        "response_tokens_per_step": statistics.median(new_tokens),
         "seconds": median,
         "step_s": median["step"],
-        "tokens_per_s": tokens / median["step"],
-        "decode_tokens_per_s": new_tokens / median["gen"],
+        "tokens_per_s": _median_rate(tokens, records, "step"),
+        "decode_tokens_per_s": _median_rate(new_tokens, records, "gen"),
         "parameters": params,
     }
     if args.device == "cuda":
-        result["update_mfu"] = 6 * params * tokens / median["update_actor"] / PEAK_BF16_FLOPS["cuda"]
-        result["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        flops = [6 * params * t for t in tokens]
+        result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * devices)
     return result
+
+
+def _median_rate(amounts: list[float], records: list[dict], stage: str) -> float:
+    """The median over steps of amount / that step's seconds in `stage`."""
+    return statistics.median(a / r[f"timing_s/{stage}"] for a, r in zip(amounts, records, strict=True))
 
 
 def _parameters(s: dict) -> int:
@@ -193,14 +267,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=["grpo", "ppo"], default="grpo")
     parser.add_argument("--scale", choices=sorted(SCALES), default="full")
+    parser.add_argument("--workload", choices=["fixed", "variable"], default="fixed")
+    parser.add_argument(
+        "--prompts", type=int, help="prompts per step (and per mini-batch), e.g. 32 on two GPUs for weak scaling"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
         "--set", nargs="*", default=[], help="extra config overrides, e.g. rollout.hf_decoding=generate"
     )
+    parser.add_argument(
+        "--profile", help="profile one more step after the timed ones; write its torch.profiler tables to this file"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     start = time.perf_counter()
     result = run(args)
     result["wall_s"] = time.perf_counter() - start

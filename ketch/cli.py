@@ -17,13 +17,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.controller.errors import WorkerError
     from ketch.data import DatasetError
     from ketch.models import ModelLoadError
+    from ketch.preflight import StartupError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
     from ketch.rollout.vllm_adapter import VLLMUnavailableError
     from ketch.tracking import TrackerError
+    from ketch.trainer.checkpoint import CheckpointError
     from ketch.trainer.loop import RunFailedError
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
+    run_errors += (CheckpointError, StartupError)
     return (*USER_ERRORS, *data_errors, *run_errors)
 
 
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             print((path.parent / "summary.txt").read_text(), end="")
             print(f"report: {path}")
             return 0
-        config = load_config(args.config_path, overrides, args.command)
+        config = load_config(args.config_path, overrides, args.command, typed=True)
         if args.command == "config":
             print(to_yaml(config), end="")
         elif args.command == "train":

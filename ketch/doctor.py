@@ -15,17 +15,15 @@ import platform
 import shutil
 import socket
 import sys
-import tempfile
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from ketch.config import BatchError, ConfigError, KetchConfig, load_config
+from ketch.preflight import Check, existing_parent, output_dir_row, vllm_row
 from ketch.tracking_backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
@@ -33,26 +31,18 @@ MIN_FREE_DISK_GIB = 10
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Literal["ok", "warn", "FAIL"]
-    detail: str
-    fix: str = ""
-
-
 def run_checks(config_path: str | None = None, overrides: list[str] | None = None) -> list[Check]:
     """Every row, in table order; the environment rows are judged for the defaults when the config is invalid."""
     try:
-        config = load_config(config_path, overrides or [])
+        config = load_config(config_path, overrides or [], typed=True)
         given = [config_path or "defaults", *(overrides or [])]
         config_row = Check("config", "ok", " ".join(given) + ": valid")
     except (ConfigError, BatchError) as err:
         config, config_row = None, Check("config", "FAIL", str(err), "correct the keys named in the detail")
     env = config or load_config()
-    rows = [_python(), *_torch(env), _package("transformers"), *_ray(env), _vllm(env), _shm(env)]
+    rows = [_python(), *_torch(env), _package("transformers"), *_ray(env), vllm_row(env), _shm(env)]
     out_dir = Path(env.trainer.default_local_dir) / env.trainer.experiment_name
-    rows += [_disk(out_dir), _writable(out_dir), _trackers(env), config_row]
+    rows += [_disk(out_dir), output_dir_row(out_dir), _trackers(env), config_row]
     if config is not None:
         rows += _config_rows(config)
     return rows
@@ -160,22 +150,6 @@ def _unreachable(address: str, timeout: float = 5.0) -> str | None:
     return None
 
 
-def _vllm(config: KetchConfig) -> Check:
-    from ketch.rollout import vllm_adapter
-
-    needed = config.rollout.name == "vllm"
-    spec = vllm_adapter.supported_range()
-    fix = f"pip install 'vllm{spec}'"
-    version = vllm_adapter.installed_version()
-    if version is None:
-        if needed:
-            return Check("vllm", "FAIL", "not installed, and rollout.name=vllm", f"{fix}, or set rollout.name=hf")
-        return Check("vllm", "ok", "not installed (needed only for rollout.name=vllm)")
-    if vllm_adapter.is_supported(version):
-        return Check("vllm", "ok", f"{version} (supported: {spec})")
-    return Check("vllm", "FAIL" if needed else "warn", f"{version}, outside the supported {spec}", fix)
-
-
 def _shm(config: KetchConfig) -> Check:
     needed = config.rollout.name == "vllm"
     try:
@@ -191,15 +165,8 @@ def _shm(config: KetchConfig) -> Check:
     return Check("/dev/shm", "ok", f"{size:.1f} GiB")
 
 
-def _existing_parent(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists():
-        path = path.parent
-    return path
-
-
 def _disk(out_dir: Path) -> Check:
-    where = _existing_parent(out_dir)
+    where = existing_parent(out_dir)
     free = shutil.disk_usage(where).free / GIB
     detail = f"{free:.1f} GiB free at {where}"
     if free < MIN_FREE_DISK_GIB:
@@ -209,18 +176,6 @@ def _disk(out_dir: Path) -> Check:
         )
         return Check("disk", "warn", f"{detail} (under {MIN_FREE_DISK_GIB} GiB)", fix)
     return Check("disk", "ok", detail)
-
-
-def _writable(out_dir: Path) -> Check:
-    where = _existing_parent(out_dir)
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as err:
-        fix = "set trainer.default_local_dir to a directory you can write"
-        return Check("output dir", "FAIL", f"cannot write in {where} ({err.strerror or err})", fix)
-    state = "exists" if out_dir.exists() else f"will be created in {where}"
-    return Check("output dir", "ok", f"{out_dir} ({state}), writable")
 
 
 def _trackers(config: KetchConfig) -> Check:

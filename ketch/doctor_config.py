@@ -12,8 +12,8 @@ from ketch.config import BatchError, KetchConfig, derive_batch_plan
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
 from ketch.data.loader import PromptLoader
-from ketch.doctor import Check
 from ketch.models import ModelLoadError, load_model_config, load_tokenizer
+from ketch.preflight import Check
 from ketch.rewards import UnknownDataSourceError
 from ketch.rewards.registry import scorer_for
 

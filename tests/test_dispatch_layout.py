@@ -88,3 +88,24 @@ def test_ray_group_dispatches_over_data_parallel_ranks_of_a_grid():
     # processes 0, 1 are data-parallel rank 0 (rows 0, 1); processes 2, 3 rank 1 (rows 2, 3); tensor rank 0 answers
     assert seen == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert (out.batch["x"].tolist(), out.batch["rank"].tolist()) == ([0, 1, 2, 3], [0, 0, 2, 2])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "dp_ranks"), [("megatron", [0, 0, 1, 1]), ("fsdp", [0, 1, 2, 3])], ids=["tp2-dp2", "fsdp-dp4"]
+)
+def test_tensor_peers_shuffle_their_mini_batches_alike(monkeypatch, strategy, dp_ranks):
+    """Megatron's tensor peers compute one model on one batch: a rank-seeded shuffle would hand each peer other
+    rows (wrong, finite gradients). The seed follows the data-parallel rank: base + 7919 x update + dp rank."""
+    from ketch.config import load_config
+    from ketch.workers.actor import ActorRolloutRefWorker
+    from ketch.workers.common import shuffle_seed
+
+    sizes = ["actor.megatron.tensor_model_parallel_size=2"] if strategy == "megatron" else []
+    grpo = ["algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=4"]
+    config = load_config(overrides=[f"actor.strategy={strategy}", *grpo, *sizes])
+    seeds = []
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        seeds.append(shuffle_seed(ActorRolloutRefWorker(config, "unused", None, 1), update_count=2))
+    assert seeds == [config.trainer.seed + 7919 * 2 + dp for dp in dp_ranks]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import linecache
 import os
+import re
 import signal
+import sys
 import threading
 import time
 
@@ -57,7 +60,7 @@ def test_without_retries_a_failure_ends_the_run_with_a_summary(tiny_config, monk
     with pytest.raises(RunFailedError) as err:
         trainer.fit()
     assert "the run failed 1 time(s), more than trainer.max_retries=0 allows" in str(err.value)
-    assert "step 2: actor_rollout rank 0: WorkerError" in str(err.value)
+    assert "step 2: actor_rollout rank 0: update_actor raised OutOfMemoryError: CUDA out of memory." in str(err.value)
     assert (trainer.run_dir / "checkpoints" / "global_step_1").is_dir(), "checkpoint_on_failure saved step 1"
 
 
@@ -101,3 +104,59 @@ def test_a_killed_worker_without_retries_names_the_dead_worker(tiny_config, ray_
     kill_rank_when(trainer, rank=1, step=1)
     with pytest.raises(RunFailedError, match=r"(actor_rollout|critic) rank 1: WorkerDiedError: .*worker process died"):
         trainer.fit()
+
+
+def driver_stage(thread_id: int) -> str | None:
+    """What the driver thread is waiting on, read from its stack: `generate`, `update` or `checkpoint`."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        name = frame.f_code.co_name
+        if name == "_save_checkpoint":
+            return "checkpoint"
+        if name == "_generate":
+            return "generate"
+        if name == "_train_step" and "update_actor(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+            return "update"
+        frame = frame.f_back
+    return None
+
+
+def kill_rank_during(trainer: PPOTrainer, rank: int, plan: list[tuple[int, str]]) -> threading.Thread:
+    """SIGKILL the worker process of `rank` at each (step, stage) of `plan`, in order, while the driver waits on that
+    stage (a real kill, no hook). A checkpoint belongs to the step it saves; the others to the step under way."""
+    driver = threading.get_ident()
+
+    def watch() -> None:
+        for step, stage in plan:
+            while (trainer.step if stage == "checkpoint" else trainer.step + 1) != step or driver_stage(
+                driver
+            ) != stage:
+                time.sleep(0.002)
+            failures = len(trainer.failures)
+            os.kill(trainer.groups.owned[0].places[rank]["pid"], signal.SIGKILL)
+            while len(trainer.failures) == failures:
+                time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_three_kills_in_generation_update_and_checkpointing_change_nothing(tiny_config, ray_session):
+    """Every step is logged once, and the run ends where an undisturbed one does: resume is exact."""
+    steps = ("trainer.total_steps=6", "trainer.save_freq=2", "trainer.test_freq=6", "trainer.max_retries=5")
+    undisturbed = PPOTrainer(tiny_config("trainer.n_cpu_workers=2", *steps, "trainer.experiment_name=calm"))
+    expected = undisturbed.fit()
+    trainer = PPOTrainer(tiny_config("trainer.n_cpu_workers=2", *steps, "trainer.experiment_name=killed"))
+    watcher = kill_rank_during(trainer, rank=1, plan=[(2, "generate"), (3, "update"), (4, "checkpoint")])
+    metrics = trainer.fit()
+    watcher.join(timeout=1)
+    assert [r["step"] for r in read_metrics(trainer.run_dir / "metrics.jsonl")] == list(range(1, 7))
+    failures = [e for e in events(trainer) if e["event"] == "failure"]
+    assert [(f["step"], f["rank"]) for f in failures] == [(2, 1), (3, 1), (4, 1)]
+    died = [re.search(r"WorkerDiedError: .* died during (\w+)", f["error"]).group(1) for f in failures]
+    assert died == ["generate_sequences", "update_actor", "save_checkpoint"]
+    assert [e["step"] for e in events(trainer) if e["event"] == "resume"] == [2, 2]  # the first kill: from scratch
+    for key in ("val/ketch/arithmetic/acc", "critic/score/mean", "actor/pg_loss"):
+        assert metrics[key] == pytest.approx(expected[key], abs=1e-4), key

@@ -230,3 +230,46 @@ def test_megatron_critic_matches_the_hf_value_model(tmp_path):
         assert metrics["loss"] == pytest.approx(loss.item(), rel=1e-5)
         assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
         assert exported.keys() == weights.keys()  # model.* and score.{weight,bias}, as the HF critic
+
+
+def _nan_rank(rank: int, model_dir: str, out: str) -> None:
+    import logging
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29624")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    _run_megatron_on_cpu()
+    from transformers import AutoConfig
+
+    from ketch.engine.megatron.engine import MegatronEngine, hf_reader
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    optim = OptimConfig(lr=1e-3)
+    engine = MegatronEngine(hf_config, hf_reader(model_dir), MegatronConfig(), torch.device("cpu"), optim, seed=0)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("ketch.engine").addHandler(handler)
+
+    def nan_loss(out, micro, num_tokens, num_seqs):
+        return policy_loss(out, micro, num_tokens, num_seqs)[0] * float("nan"), {}
+
+    metrics = engine.train_mini_batch(batch(hf_config.vocab_size).split(2), nan_loss)
+    torch.save((metrics["skipped_steps"], messages), f"{out}/nan.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_skips_the_step_and_names_the_parameters(tmp_path):
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "max_positions": 64}
+    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)
+    mp.start_processes(_nan_rank, args=(str(model_dir), str(tmp_path)), nprocs=1)
+    skipped, messages = torch.load(tmp_path / "nan.pt", weights_only=False)
+    assert skipped == 1.0
+    # one Qwen2 layer: the embedding, 7 layer tensors (2 norms, QKV weight and bias, projection, fc1, fc2) and the
+    # final norm, all NaN; the first 4 by name in registration order (the layer registers its input norm first)
+    assert messages == [
+        "non-finite gradient norm (nan): optimizer step skipped; non-finite on rank 0: "
+        "0.embedding.word_embeddings.weight, 0.decoder.layers.0.input_layernorm.weight, "
+        "0.decoder.layers.0.self_attention.linear_proj.weight, 0.decoder.layers.0.self_attention.linear_qkv.weight "
+        "and 5 more"
+    ]

@@ -124,6 +124,8 @@ def test_a_remote_exception_names_role_rank_and_carries_the_traceback(probes):
     assert "Probe rank 1: fail_on_rank_one raised" in str(err.value)
     assert "ValueError: boom on purpose" in str(err.value)
     assert "test_ray_controller.py" in str(err.value), "the remote traceback is included"
+    assert err.value.error == "fail_on_rank_one raised ValueError: boom on purpose"
+    assert "test_ray_controller.py" in err.value.traceback and "raise ValueError" in err.value.traceback
 
 
 def test_colocated_roles_share_one_process_per_rank(ray_session):

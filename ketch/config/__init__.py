@@ -1,7 +1,8 @@
 """Typed configuration: schema, loading with overrides, validation and derived batch sizes."""
 
 from ketch.config.batch import BatchError, BatchPlan, UpdatePlan, derive_batch_plan
-from ketch.config.loader import ConfigError, load_config, parse_overrides, to_dict, to_yaml
+from ketch.config.errors import ConfigError
+from ketch.config.loader import load_config, parse_overrides, to_dict, to_yaml
 from ketch.config.schema import (
     ActorConfig,
     AlgorithmConfig,

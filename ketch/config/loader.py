@@ -3,13 +3,16 @@
 Order of precedence: built-in defaults < the command's own defaults (`COMMAND_DEFAULTS`, e.g. `ketch rm`
 trains on the built-in preference pairs) < YAML file (`--config-path FILE`) < overrides. Overrides may be
 spelled `key.path=value`, `--key.path=value` or `--key.path value`; values are parsed as YAML
-(`a.b=[1,2]`, `x=null`, `flag=true`).
+(`a.b=[1,2]`, `x=null`, `flag=true`). A key given twice in the YAML file, or twice on a typed command line (in
+any spelling, or as a key and inside its section), is an error; a command-line key that replaces one of the YAML
+file is logged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from pathlib import Path
@@ -17,27 +20,45 @@ from typing import Any, Literal
 
 import yaml
 
+from ketch.config.errors import ConfigError
 from ketch.config.schema import COMMAND_DEFAULTS, KetchConfig
+from ketch.config.validate import validate
 
+__all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "to_yaml"]
 
-class ConfigError(ValueError):
-    """A configuration that cannot run: the message names the key, the value and the fix."""
+logger = logging.getLogger("ketch")
 
 
 def load_config(
-    config_path: str | Path | None = None, overrides: list[str] | None = None, command: str = "train"
+    config_path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    command: str = "train",
+    *,
+    typed: bool = False,
 ) -> KetchConfig:
-    """Merge the defaults of `command`, the YAML file and the overrides into a validated, frozen `KetchConfig`."""
+    """Merge the defaults of `command`, the YAML file and the overrides into a validated, frozen `KetchConfig`.
+
+    `typed`: the overrides are a command line a person typed (`ketch ...` passes True), where a key given twice
+    is a `ConfigError`; code that composes override lists (a base, then changes) gets the last value."""
     tree = _as_tree(KetchConfig())
     for key, value in parse_overrides(list(COMMAND_DEFAULTS.get(command, ()))):
         _merge(tree, _nest(key, value), source=f"defaults of ketch {command}")
+    from_file = {}
     if config_path is not None:
-        _merge(tree, _read_yaml(Path(config_path)), source=str(config_path))
+        keys = _merge(tree, _read_yaml(Path(config_path)), source=str(config_path))
+        from_file = {key: _get(tree, key) for key in keys}
+    given: dict[str, Any] = {}
     for key, value in parse_overrides(overrides or []):
-        _merge(tree, _nest(key, value), source="command line")
+        for path in _merge(tree, _nest(key, value), source="command line"):
+            if typed and path in given:
+                raise ConfigError(
+                    f"{path} is given twice on the command line ({given[path]!r}, then {_get(tree, path)!r}); "
+                    "give it once"
+                )
+            given[path] = _get(tree, path)
+    for path in given.keys() & from_file.keys():
+        logger.info("%s=%r from the command line replaces %r from %s", path, given[path], from_file[path], config_path)
     config = _build(KetchConfig, tree, prefix="")
-    from ketch.config.validate import validate
-
     validate(config)
     return config
 
@@ -73,12 +94,30 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist (given by --config-path)")
     try:
+        node = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+        twice = _keys_given_twice(node) if node is not None else []
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if twice:
+        raise ConfigError(f"config file {path} gives {'; '.join(twice)}; give each key once")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, found {type(data).__name__}")
     return data
+
+
+def _keys_given_twice(node: yaml.Node, prefix: str = "") -> list[str]:
+    """`key twice (lines 3 and 9)` for each key that a mapping of the YAML document `node` repeats."""
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    found, lines = [], {}
+    for key_node, value_node in node.value:
+        path = f"{prefix}{key_node.value}"
+        if path in lines:
+            found.append(f"{path} twice (lines {lines[path]} and {key_node.start_mark.line + 1})")
+        lines.setdefault(path, key_node.start_mark.line + 1)
+        found += _keys_given_twice(value_node, f"{path}.")
+    return found
 
 
 def _nest(dotted: str, value: Any) -> dict:
@@ -101,7 +140,9 @@ def _as_tree(section: Any) -> _Tree:
     )
 
 
-def _merge(tree: dict, update: dict, source: str, prefix: str = "") -> None:
+def _merge(tree: dict, update: dict, source: str, prefix: str = "") -> list[str]:
+    """Write `update` over `tree`, checking keys against the schema; returns the dotted keys of the leaves set."""
+    keys = []
     for key, value in update.items():
         path = f"{prefix}{key}"
         if key not in tree:
@@ -109,9 +150,17 @@ def _merge(tree: dict, update: dict, source: str, prefix: str = "") -> None:
         if isinstance(tree[key], _Tree):
             if not isinstance(value, dict):
                 raise ConfigError(f"{path} is a section of keys ({', '.join(tree[key])}), got {value!r} ({source})")
-            _merge(tree[key], value, source, prefix=f"{path}.")
+            keys += _merge(tree[key], value, source, prefix=f"{path}.")
         else:
             tree[key] = value
+            keys.append(path)
+    return keys
+
+
+def _get(tree: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree
 
 
 def _unknown_key_message(path: str, tree: dict, prefix: str, source: str) -> str:

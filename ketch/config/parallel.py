@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ketch.config.loader import ConfigError
+from ketch.config.errors import ConfigError
 from ketch.config.schema import KetchConfig, MegatronConfig
 
 
@@ -52,15 +52,7 @@ def _trained(config: KetchConfig) -> list[tuple[str, Any]]:
 
 def _sizes(name: str, m: MegatronConfig) -> list[str]:
     key = f"{name}.megatron"
-    problems = [
-        f"{key}.{field}={value} must be >= 1"
-        for field, value in (
-            ("tensor_model_parallel_size", m.tensor_model_parallel_size),
-            ("pipeline_model_parallel_size", m.pipeline_model_parallel_size),
-            ("virtual_pipeline_model_parallel_size", m.virtual_pipeline_model_parallel_size or 1),
-        )
-        if value < 1
-    ]
+    problems = []  # the sizes themselves are >= 1: validate.RANGES checks them first
     if (m.virtual_pipeline_model_parallel_size or 1) > 1 and m.pipeline_model_parallel_size < 2:
         problems.append(
             f"{key}.virtual_pipeline_model_parallel_size={m.virtual_pipeline_model_parallel_size} interleaves "

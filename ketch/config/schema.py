@@ -81,6 +81,14 @@ class ModelConfig:
     """Allow model code from the model directory (needed by some hub models)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    use_remove_padding: bool | None = None
+    """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
+    run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding
+    costs nothing. None = on GPUs; off on CPUs, where per-sequence attention is slower than padded batches. FSDP
+    engine only; models with sliding-window attention need it off."""
+    use_liger: bool = False
+    """Liger-Kernel's fused RMSNorm and SwiGLU in the training forwards (actor, reference, critic) on CUDA, when
+    `liger-kernel` is installed (pip install liger-kernel); otherwise a warning and the plain modules."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Entries written over the model's config.json before loading (e.g. {attention_dropout: 0.0})."""
 
@@ -142,7 +150,8 @@ class ActorConfig:
     ppo_micro_batch_size_per_device: int | None = None
     """Sequences per forward/backward on one device; None = the whole per-device mini-batch."""
     use_dynamic_bsz: bool = False
-    """Split micro-batches by a token budget (ppo_max_token_len_per_device) instead of a sequence count."""
+    """Split micro-batches by a token budget (ppo_max_token_len_per_device) instead of a sequence count, in the
+    update and in the old-log-prob and reference passes."""
     ppo_max_token_len_per_device: int = 16384
     """Token budget of one micro-batch when use_dynamic_bsz is on."""
     ppo_epochs: int = 1

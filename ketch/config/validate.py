@@ -1,17 +1,128 @@
-"""Checks of combinations of keys that each look fine alone but cannot run together."""
+"""Checks of a loaded config: each value within its range (`RANGES`), and combinations of keys that each look
+fine alone but cannot run together."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
+from typing import Any
+
 from ketch.config.batch import BatchError, derive_batch_plan
-from ketch.config.loader import ConfigError
+from ketch.config.errors import ConfigError
 from ketch.config.parallel import megatron_problems
-from ketch.config.schema import KetchConfig
+from ketch.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    KetchConfig,
+    KLControlConfig,
+    MegatronConfig,
+    OptimConfig,
+    RefConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RolloutConfig,
+    TrainerConfig,
+    ValSamplingConfig,
+)
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
+POSITIVE, COUNT, NON_NEGATIVE, UNIT, FINITE = "(0, inf)", "[1, inf)", "[0, inf)", "[0, 1]", "(-inf, inf)"
+RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
+    OptimConfig: {
+        "lr": POSITIVE,
+        "betas": ("[0, 1)", "AdamW's betas are decay rates, e.g. [0.9, 0.999]"),
+        "weight_decay": NON_NEGATIVE,
+        "grad_clip": (NON_NEGATIVE, "0 disables clipping"),
+        "warmup_steps": NON_NEGATIVE,
+        "min_lr_ratio": UNIT,
+    },
+    DataConfig: {
+        "max_prompt_length": COUNT,
+        "max_response_length": COUNT,
+        "train_batch_size": COUNT,
+        "val_batch_size": COUNT,
+        "max_samples": COUNT,
+    },
+    ActorConfig: {
+        "ppo_mini_batch_size": COUNT,
+        "ppo_micro_batch_size_per_device": COUNT,
+        "ppo_max_token_len_per_device": COUNT,
+        "ppo_epochs": COUNT,
+        "clip_ratio_low": ("[0, 1)", "the ratio is clipped below at 1 - clip_ratio_low, which must stay > 0"),
+        "clip_ratio_high": NON_NEGATIVE,
+        "clip_ratio_c": ("(1, inf)", "the dual-clip bound is a multiple of the advantage, e.g. 3.0"),
+        "gspo_clip_ratio_low": ("[0, 1)", "the sequence ratio is clipped below at 1 - gspo_clip_ratio_low"),
+        "gspo_clip_ratio_high": NON_NEGATIVE,
+        "loss_scale_factor": (COUNT, "null uses data.max_response_length"),
+        "rollout_is_threshold": POSITIVE,
+        "entropy_coeff": (FINITE, "a negative value penalises entropy"),
+        "kl_loss_coef": NON_NEGATIVE,
+    },
+    MegatronConfig: {
+        "tensor_model_parallel_size": COUNT,
+        "pipeline_model_parallel_size": COUNT,
+        "virtual_pipeline_model_parallel_size": (COUNT, "null means one model chunk per stage"),
+    },
+    CriticConfig: {
+        "ppo_mini_batch_size": COUNT,
+        "ppo_micro_batch_size_per_device": COUNT,
+        "ppo_epochs": COUNT,
+        "cliprange_value": POSITIVE,
+    },
+    RefConfig: {"log_prob_micro_batch_size_per_device": COUNT},
+    ValSamplingConfig: {"n": COUNT, "temperature": POSITIVE},
+    RolloutConfig: {
+        "n": COUNT,
+        "temperature": (POSITIVE, "use rollout.do_sample=false for greedy decoding"),
+        "top_p": ("(0, 1]", "1 disables nucleus sampling"),
+        "top_k": (NON_NEGATIVE, "0 disables top-k"),
+        "stop_token_ids": NON_NEGATIVE,
+        "log_prob_micro_batch_size_per_device": COUNT,
+        "tensor_parallel_size": COUNT,
+        "gpu_memory_utilization": "(0, 1]",
+        "max_model_len": COUNT,
+        "max_num_seqs": COUNT,
+        "max_num_batched_tokens": COUNT,
+    },
+    RewardModelConfig: {"micro_batch_size_per_device": COUNT},
+    RewardConfig: {"clip": (POSITIVE, "null disables clipping")},
+    KLControlConfig: {"kl_coef": NON_NEGATIVE, "target_kl": POSITIVE, "horizon": COUNT},
+    AlgorithmConfig: {
+        "gamma": UNIT,
+        "lam": UNIT,
+        "clip_advantage": (POSITIVE, "null disables clipping"),
+    },
+    TrainerConfig: {
+        "total_epochs": COUNT,
+        "total_steps": COUNT,
+        "log_interval": COUNT,
+        "test_freq": (NON_NEGATIVE, "0 disables periodic validation"),
+        "save_freq": (NON_NEGATIVE, "0 saves only at the end"),
+        "val_samples_to_log": (NON_NEGATIVE, "0 writes no samples"),
+        "max_checkpoints_to_keep": (COUNT, "null keeps all"),
+        "max_retries": NON_NEGATIVE,
+        "oom_retry_delay": NON_NEGATIVE,
+        "seed": NON_NEGATIVE,
+        "n_gpus_per_node": COUNT,
+        "n_cpu_workers": COUNT,
+        "nnodes": COUNT,
+        "worker_timeout": (POSITIVE, "null waits forever"),
+    },
+}
+"""The allowed values of numeric keys, per schema section, as intervals (`inf` for no bound), optionally with
+a hint. A list is checked item by item; None (where a key allows it) always passes. A new numeric key gets a
+line here."""
+
 
 def validate(config: KetchConfig) -> None:
-    """Raise `ConfigError` naming the conflicting keys when `config` cannot run."""
+    """Raise `ConfigError` naming every key out of range, then the conflicting keys, when `config` cannot run."""
+    problems = out_of_range(config)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config)
     for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
         try:
@@ -22,23 +133,50 @@ def validate(config: KetchConfig) -> None:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
 
-def _positive_counts(c: KetchConfig) -> str | None:
-    counts = {
-        "data.max_prompt_length": c.data.max_prompt_length,
-        "data.max_response_length": c.data.max_response_length,
-        "actor.ppo_epochs": c.actor.ppo_epochs,
-        "critic.ppo_epochs": c.critic.ppo_epochs,
-        "trainer.total_epochs": c.trainer.total_epochs,
-        "trainer.log_interval": c.trainer.log_interval,
-        "trainer.n_gpus_per_node": c.trainer.n_gpus_per_node,
-        "trainer.n_cpu_workers": c.trainer.n_cpu_workers,
-        "trainer.nnodes": c.trainer.nnodes,
-        "rollout.val.n": c.rollout.val.n,
-    }
-    if c.trainer.total_steps is not None:
-        counts["trainer.total_steps"] = c.trainer.total_steps
-    bad = [f"{k}={v}" for k, v in counts.items() if v < 1]
-    return f"{', '.join(bad)} must be >= 1" if bad else None
+def out_of_range(section: Any, prefix: str = "") -> list[str]:
+    """One line per key of `section` (and its sub-sections) outside its range in `RANGES`."""
+    problems = []
+    ranges = RANGES.get(type(section), {})
+    for f in dataclasses.fields(section):
+        value, path = getattr(section, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += out_of_range(value, f"{path}.")
+        elif f.name in ranges and value is not None:
+            interval, hint = ranges[f.name] if isinstance(ranges[f.name], tuple) else (ranges[f.name], "")
+            inside = _Interval.parse(interval)
+            if not all(inside.holds(v) for v in (value if isinstance(value, list) else [value])):
+                problems.append(f"{path}={value!r} must be {inside.describe()}" + (f" ({hint})" if hint else ""))
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interval:
+    low: float
+    high: float
+    low_closed: bool
+    high_closed: bool
+
+    @classmethod
+    def parse(cls, text: str) -> _Interval:
+        """`"(0, 1]"`, `"[1, inf)"`, ...: brackets include the bound, parentheses exclude it."""
+        match = re.fullmatch(r"([\[(])\s*(\S+)\s*,\s*(\S+)\s*([\])])", text)
+        if match is None:
+            raise ValueError(f"not an interval: {text!r}")
+        return cls(float(match[2]), float(match[3]), match[1] == "[", match[4] == "]")
+
+    def holds(self, value: Any) -> bool:
+        """Whether `value` is a number inside (NaN never is)."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            return False
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def describe(self) -> str:
+        low = f"{self.low:g}"
+        if math.isinf(self.high):
+            return f"{'>=' if self.low_closed else '>'} {low}"
+        return f"in {'[' if self.low_closed else '('}{low}, {self.high:g}{']' if self.high_closed else ')'}"
 
 
 def _critic_matches_estimator(c: KetchConfig) -> str | None:
@@ -62,12 +200,6 @@ def _kl_used_once(c: KetchConfig) -> str | None:
 
 def _sampling(c: KetchConfig) -> str | None:
     r = c.rollout
-    if r.temperature <= 0:
-        return f"rollout.temperature={r.temperature} must be > 0 (use rollout.do_sample=false for greedy decoding)"
-    if not 0 < r.top_p <= 1:
-        return f"rollout.top_p={r.top_p} must be in (0, 1]"
-    if r.top_k < 0:
-        return f"rollout.top_k={r.top_k} must be >= 0 (0 disables top-k)"
     if r.val.n > 1 and not r.val.do_sample:
         return (
             f"rollout.val.n={r.val.n} with rollout.val.do_sample=false would give {r.val.n} identical greedy "
@@ -76,12 +208,20 @@ def _sampling(c: KetchConfig) -> str | None:
     return None
 
 
+def _betas(c: KetchConfig) -> str | None:
+    optimizers = {
+        "actor.optim": c.actor.optim,
+        "critic.optim": c.critic.optim,
+        "reward.model.optim": c.reward.model.optim,
+    }
+    bad = [f"{key}.betas={o.betas}" for key, o in optimizers.items() if len(o.betas) != 2]
+    return f"{', '.join(bad)}: AdamW takes two betas, e.g. [0.9, 0.999]" if bad else None
+
+
 def _loggers(c: KetchConfig) -> str | None:
     unknown = [name for name in c.trainer.logger if name not in KNOWN_LOGGERS]
     if unknown:
         return f"trainer.logger has unknown entries {unknown}; choose from {list(KNOWN_LOGGERS)}"
-    if c.trainer.val_samples_to_log < 0:
-        return f"trainer.val_samples_to_log={c.trainer.val_samples_to_log} must be >= 0 (0 writes no samples)"
     return None
 
 
@@ -109,10 +249,6 @@ def _reward_sources(c: KetchConfig) -> str | None:
         return "reward.weights gives the reward model a weight, but reward.model.path is not set; set it or drop model"
     if (r.clip is not None or r.normalize) and not weights["model"]:
         return "reward.clip and reward.normalize act on reward-model scores, but none are used; set reward.model.path"
-    if r.clip is not None and r.clip <= 0:
-        return f"reward.clip={r.clip} must be > 0 (or null to disable clipping)"
-    if r.model.micro_batch_size_per_device is not None and r.model.micro_batch_size_per_device < 1:
-        return f"reward.model.micro_batch_size_per_device={r.model.micro_batch_size_per_device} must be >= 1 (or null)"
     return None
 
 
@@ -135,10 +271,8 @@ def _rollout_is(c: KetchConfig) -> str | None:
     a = c.actor
     if a.rollout_is is not None and a.recompute_old_log_prob is False:
         return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
-    if a.rollout_is_threshold <= 0:
-        return f"actor.rollout_is_threshold={a.rollout_is_threshold} must be > 0"
     return None
 
 
-_CHECKS = (_positive_counts, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
+_CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is)

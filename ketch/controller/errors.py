@@ -1,14 +1,16 @@
-"""Failures of worker calls, each naming the role and rank that failed."""
+"""Failures of worker calls, each naming the role and rank that failed and carrying the worker's own cause."""
 
 from __future__ import annotations
 
 
 class WorkerError(RuntimeError):
-    """A worker method raised; the message carries the remote traceback."""
+    """A worker method raised. `error` says what failed on one line (for a raising method: `<method> raised
+    <Type>: <message>` of the worker's own exception) and `traceback` is the worker-side traceback; the
+    message holds both, after the role and rank."""
 
-    def __init__(self, role: str, rank: int, message: str, cause: BaseException | None = None):
-        super().__init__(f"{role} rank {rank}: {message}")
-        self.role, self.rank, self.cause = role, rank, cause
+    def __init__(self, role: str, rank: int, error: str, cause: BaseException | None = None, traceback: str = ""):
+        self.role, self.rank, self.error, self.cause, self.traceback = role, rank, error, cause, traceback.rstrip()
+        super().__init__(f"{role} rank {rank}: {error}" + (f"\n{self.traceback}" if self.traceback else ""))
 
 
 class WorkerDiedError(WorkerError):
@@ -17,6 +19,12 @@ class WorkerDiedError(WorkerError):
 
 class WorkerTimeoutError(WorkerError):
     """A worker call did not return within trainer.worker_timeout seconds."""
+
+
+def describe(error: BaseException) -> str:
+    """`Type: first line of the message` (`Type` alone when the message is empty)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 from ketch.controller.decorator import registered_methods
 from ketch.controller.dispatch import DataParallelLayout
-from ketch.controller.errors import WorkerError
+from ketch.controller.errors import WorkerError, describe
 
 
 class LocalWorkerGroup:
@@ -31,7 +31,7 @@ class LocalWorkerGroup:
         try:
             result = getattr(self.worker, name)(*rank_args, **rank_kwargs)
         except Exception as err:
-            raise WorkerError(self.role, 0, f"{name} raised:\n{traceback.format_exc()}", err) from err
+            raise WorkerError(self.role, 0, f"{name} raised {describe(err)}", err, traceback.format_exc()) from err
         return self.layout.gather(registration.dispatch, [result], context)
 
     def shutdown(self) -> None:

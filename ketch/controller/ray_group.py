@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 import time
 from typing import Any
@@ -21,11 +22,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ketch.controller.decorator import Registration, registered_methods
 from ketch.controller.dispatch import DataParallelLayout
-from ketch.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from ketch.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError, describe
 from ketch.controller.resource_pool import RayResourcePool
 
 STARTUP_TIMEOUT = 600.0
 """Seconds the worker processes of a group may take to start (a new node may have to pull packages)."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class RayClassWithInitArgs:
@@ -177,8 +179,9 @@ class RayWorkerGroup:
         try:
             return ray.get(ref)
         except RayTaskError as err:
-            cause = err.cause if isinstance(err.cause, BaseException) else None
-            raise WorkerError(role, rank, f"{method} raised:\n{err}", cause) from err
+            cause = err.cause if isinstance(err.cause, BaseException) else err
+            remote = _ANSI.sub("", str(err))  # Ray's header (process, node) and the worker-side traceback
+            raise WorkerError(role, rank, f"{method} raised {describe(cause)}", cause, remote) from err
         except RayActorError as err:
             place = self.places.get(rank, {}) if hasattr(self, "places") else {}
             where = f"node {place.get('node_ip', '?')}, pid {place.get('pid', '?')}"

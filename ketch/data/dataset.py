@@ -21,7 +21,7 @@ from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
 from ketch.data.values import object_array
 
-_RESERVED_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt", "index")
+_RESERVED_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt", "index", "source_row")
 
 
 class RLHFDataset(Dataset):
@@ -32,6 +32,7 @@ class RLHFDataset(Dataset):
     - `data_source` (default "unknown"), `extra_info` (default {});
     - `ground_truth`: `reward_model["ground_truth"]`, else the `answer` column, else a `ground_truth` column, else None;
     - `index`: the row's position in the concatenated files (kept when other rows are filtered out);
+    - `source_row`: where the row comes from, `<file>, row N` (error messages name it);
     - every other column as it is (`ability`, `reward_model`, `answer`, `chosen`, ...).
     """
 
@@ -65,6 +66,7 @@ class RLHFDataset(Dataset):
         cells.pop("ground_truth", None)
         item["extra_info"] = _default(cells.pop("extra_info", None), {})
         item["index"] = row
+        item["source_row"] = self.rows.locate(row)
         return item | cells
 
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:

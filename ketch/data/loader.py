@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ketch.data.errors import DatasetError
 from ketch.protocol import DataProto
 
 
@@ -15,7 +16,7 @@ class PromptLoader:
 
     def __init__(self, dataset, batch_size: int, shuffle: bool = True, seed: int = 0):
         if len(dataset) < batch_size:
-            raise ValueError(
+            raise DatasetError(
                 f"the training set has {len(dataset)} prompts, fewer than one batch "
                 f"(data.train_batch_size={batch_size}); lower the batch size or add data"
             )

@@ -10,6 +10,7 @@ from typing import Any
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
+from fsspec.implementations.local import LocalFileSystem
 
 from ketch.data.errors import DatasetError
 
@@ -60,8 +61,33 @@ def read_table(url: str) -> pa.Table:
     return table
 
 
+def expand_data_files(files: list[str]) -> list[str]:
+    """`files` with each directory replaced by the `*.parquet` files in it and each glob pattern (`*`, `?`, `[`)
+    by the files it matches, both sorted by name; a path that does not exist raises `DatasetError`."""
+    expanded = []
+    for entry in map(str, files):
+        fs, path = fsspec.core.url_to_fs(entry)
+        named = (lambda p: p) if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol
+        if any(c in path for c in "*?["):
+            found = [named(p) for p in sorted(fs.glob(path)) if not fs.isdir(p)]
+            if not found:
+                raise DatasetError(f"data file pattern {entry} matches no file; check data.train_files / val_files")
+        elif fs.isdir(path):
+            found = [named(p) for p in sorted(fs.glob(f"{path.rstrip('/')}/*.parquet"))]
+            if not found:
+                raise DatasetError(
+                    f"data directory {entry} holds no *.parquet file; check data.train_files / val_files"
+                )
+        elif not fs.exists(path):
+            raise DatasetError(f"data file not found: {entry}; check data.train_files / data.val_files")
+        else:
+            found = [entry]
+        expanded += found
+    return expanded
+
+
 def read_parquet_files(files: list[str], required: Mapping[str, str]) -> Rows:
-    """Concatenate the rows of `files` in order.
+    """Concatenate the rows of `files` in order (directories and glob patterns expanded by `expand_data_files`).
 
     `required` maps each column every file must have to the config field that names it (e.g.
     `{"question": "prompt_key"}`), so the error can say which setting to change.
@@ -69,7 +95,7 @@ def read_parquet_files(files: list[str], required: Mapping[str, str]) -> Rows:
     if not files:
         raise DatasetError("no data files given; list Parquet files in data.train_files / data.val_files")
     rows = Rows()
-    for url in files:
+    for url in expand_data_files(files):
         table = read_table(url)
         for column, setting in required.items():
             if column not in table.column_names:

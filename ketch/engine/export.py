@@ -71,9 +71,14 @@ def write_hf_directory(
     return out
 
 
-def gather_hf_state(engine: TrainEngine) -> dict[str, torch.Tensor]:
-    """Full weights of a live engine on the CPU, by HF name (every rank must call: it all-gathers)."""
-    return {_hf_name(name): tensor.cpu() for name, tensor in engine.full_parameters()}
+def gather_hf_state(engine: TrainEngine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Full weights of a live engine on the CPU, by HF name. Every rank must call (the gathers are collective);
+    a rank with `keep=False` takes part but keeps nothing (returns {}), so only the writing rank holds a copy."""
+    state = {}
+    for name, tensor in engine.full_parameters():
+        if keep:
+            state[_hf_name(name)] = tensor.cpu()
+    return state
 
 
 def load_checkpoint_state(directory: str | Path) -> dict[str, torch.Tensor]:

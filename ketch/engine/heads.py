@@ -4,6 +4,9 @@ score per sequence (reward models).
 Each wrapper is the root module that FSDP shards, so that the whole computation, including the output
 projection, happens inside one root forward (where FSDP has the parameters gathered). Positions are
 aligned so that output `[:, t]` scores response token t from the hidden state just before it.
+
+With `packed`, the backbone runs padding-free on the real tokens only (`ketch.engine.packing`); outputs are
+the same, zeros at padding.
 """
 
 from __future__ import annotations
@@ -12,16 +15,20 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-LOGIT_CHUNK = 1024
+from ketch.engine.packing import backbone_hidden, use_packed_attention
+
+LOGIT_CHUNK = 4096
 """Tokens per chunk of the output projection: full [tokens x vocab] float32 logits never exist at once."""
 
 
 class PolicyModel(nn.Module):
     """A causal LM that returns log-probs (and entropy) of given response tokens."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, packed: bool = False):
         super().__init__()
-        self.lm = lm
+        self.lm, self.packed = lm, packed
+        if packed:
+            use_packed_attention(lm)
 
     def forward(
         self,
@@ -33,20 +40,19 @@ class PolicyModel(nn.Module):
         calc_entropy: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]` (prompt then response); returns `log_prob` (and `entropy`) `[batch, response_len]`
-        in float32, for logits divided by `temperature` as in sampling."""
-        hidden = self.lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        states = hidden[:, -response_len - 1 : -1]
-        labels = input_ids[:, -response_len:]
+        in float32, for logits divided by `temperature` as in sampling; 0 at response padding (attention_mask 0),
+        where the output projection is not computed."""
+        hidden = backbone_hidden(self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed)
+        valid = attention_mask[:, -response_len:].bool()
+        states = hidden[:, -response_len - 1 : -1][valid]
+        labels = input_ids[:, -response_len:][valid]
         head = self.lm.get_output_embeddings()
-        log_prob, entropy = chunked_log_probs(
-            states.reshape(-1, states.shape[-1]), labels.reshape(-1), head.weight, head.bias, temperature, calc_entropy
-        )
+        log_prob, entropy = chunked_log_probs(states, labels, head.weight, head.bias, temperature, calc_entropy)
         # Fresh tensors, not views: FSDP's backward hook on a root output must not be bypassed by a view.
-        out = {"log_prob": log_prob.view(labels.shape).clone()}
+        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        out = {"log_prob": zeros.masked_scatter(valid, log_prob)}
         if calc_entropy:
-            out["entropy"] = entropy.view(labels.shape).clone()
+            out["entropy"] = zeros.masked_scatter(valid, entropy)
         return out
 
 
@@ -86,18 +92,26 @@ def _chunk_log_probs(states, labels, weight, bias, temperature, calc_entropy):
 class ValueModel(nn.Module):
     """A backbone with a scalar head (`*ForTokenClassification`, one label) that returns per-token values."""
 
-    def __init__(self, critic: nn.Module):
+    def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
-        self.critic = critic
+        self.critic, self.packed = critic, packed
+        # the head stays reachable only through `critic`: a second reference would duplicate its state-dict keys
+        self.head_name = next(
+            (n for n in ("score", "classifier") if isinstance(getattr(critic, n, None), nn.Linear)), None
+        )
+        if self.head_name is None:
+            raise TypeError(f"{type(critic).__name__} has no linear `score` or `classifier` head to read values from")
+        if packed:
+            use_packed_attention(critic)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_len: int
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
-        logits = self.critic(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
-        return {"values": logits[:, -response_len - 1 : -1, 0].float().clone()}
+        hidden = backbone_hidden(self.critic.base_model, input_ids, attention_mask, position_ids, self.packed)
+        states = getattr(self.critic, "dropout", nn.Identity())(hidden[:, -response_len - 1 : -1])
+        values = getattr(self.critic, self.head_name)(states)[..., 0]
+        return {"values": values.float().clone()}
 
 
 class ScoreModel(nn.Module):
@@ -106,23 +120,23 @@ class ScoreModel(nn.Module):
     position comes from the mask, not from the model's pad-token rule, so it is right for left-padded
     prompts, right-padded responses and any pad id."""
 
-    def __init__(self, reward_model: nn.Module):
+    def __init__(self, reward_model: nn.Module, packed: bool = False):
         super().__init__()
         if not isinstance(getattr(reward_model, "score", None), nn.Linear):
             raise TypeError(
                 f"{type(reward_model).__name__} has no linear `score` head; a reward model must be a "
                 "*ForSequenceClassification model of a decoder architecture (Llama, Qwen2, Mistral, GPT-2, ...)"
             )
-        self.reward_model = reward_model
+        self.reward_model, self.packed = reward_model, packed
+        if packed:
+            use_packed_attention(reward_model)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_len: int
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `scores` `[batch]` in float32 (`response_len`, given by the engine to
         every head, is not needed)."""
-        hidden = self.reward_model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
+        hidden = backbone_hidden(self.reward_model.base_model, input_ids, attention_mask, position_ids, self.packed)
         positions = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)
         last = ((attention_mask != 0) * positions).amax(dim=-1).clamp(min=1) - 1
         states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]

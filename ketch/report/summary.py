@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 
 from ketch.report.plots import VALIDATION
@@ -22,20 +24,22 @@ def summarize(run: RunRecord) -> str:
     failures = [e for e in run.events if e["event"] == "failure"]
     for f in failures:
         lines.append(f"failure at step {f.get('step')}: {f.get('role')} rank {f.get('rank')}: {f.get('error')}")
+        lines += [textwrap.indent(f["traceback"], "    ")] if f.get("traceback") else []
     return "\n".join(lines) + "\n"
 
 
 def status(run: RunRecord) -> str:
-    """finished / failed / stopped, with the last step reached."""
+    """finished / failed / stopped, with the last step reached (a resumed run is judged by its latest events)."""
     last = run.steps[-1]["step"] if run.steps else None
     of = f" of {run.total_steps}" if run.total_steps else ""
-    if run.count("end"):
+    latest = next((e["event"] for e in reversed(run.events) if e["event"] in ("end", "failure", "recovery")), None)
+    if latest == "end":
         return f"finished: {last} steps{of}"
+    if latest == "failure":
+        failures, recoveries = run.count("failure"), run.count("recovery")
+        return f"failed after step {last}{of}: {failures} failure(s), {recoveries} recovered (see below)"
     if not run.steps:
         return "no step recorded (the run stopped before its first step)"
-    failures, recoveries = run.count("failure"), run.count("recovery")
-    if failures > recoveries:
-        return f"failed after step {last}{of}: {failures} failure(s), {recoveries} recovered (see below)"
     return f"stopped after step {last}{of} without an end record (crashed, killed, or still running)"
 
 

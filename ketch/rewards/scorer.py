@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -78,7 +79,7 @@ class RewardScorer:
             try:
                 scores[i], extras[i] = _score_one(fn, sources[i], texts[i], truths[i], extra_infos[i])
             except Exception as exc:
-                self._fail(exc, i, sources[i], name)
+                self._fail(exc, i, name, _sample(data, i, texts[i]))
                 num_errors += 1
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32, device=responses.device)
         token_level_scores[torch.arange(len(texts), device=responses.device), last] = torch.as_tensor(
@@ -100,19 +101,46 @@ class RewardScorer:
             resolved.append((fn, f"{fn.__module__}.{fn.__qualname__}"))
         return resolved
 
-    def _fail(self, exc: Exception, index: int, source: str, name: str) -> None:
-        """Raise a `RewardError` (on_error=raise) or log the error once per distinct message (on_error=zero)."""
-        where = f"reward scorer {name} failed on sample {index} (data_source={source!r})"
+    def _fail(self, exc: Exception, index: int, name: str, sample: dict[str, Any]) -> None:
+        """Raise a `RewardError` (on_error=raise) or log the error once per distinct message (on_error=zero).
+        `sample` (from `_sample`) says where the sample comes from and what it holds."""
+        where = f"reward scorer {name} failed on sample {index} (data_source={sample['data_source']!r})"
         message = f"{type(exc).__name__}: {exc}"
         if self.on_error == "raise":
+            shown = "\n".join(f"  {k}: {v if k == 'data file' else _shorten(v)}" for k, v in sample.items())
             raise RewardError(
-                f"{where}: {message}. Fix the scorer or the data, or set reward.on_error=zero to score such samples 0"
+                f"{where}: {message}\nthe sample:\n{shown}\nthe scorer's traceback:\n{_scorer_traceback(exc)}"
+                "Fix the scorer or the data, or set reward.on_error=zero to score such samples 0"
             ) from exc
         if (name, message) not in self._logged:
             self._logged.add((name, message))
             logger.warning(
                 "%s: %s; scored 0 (reward.on_error=zero), identical errors are not logged again", where, message
             )
+
+
+def _sample(data: DataProto, i: int, response: str) -> dict[str, Any]:
+    """What a failing sample is: its data file and row (`source_row`, set by the datasets), data source, prompt,
+    response and ground truth."""
+    columns = data.non_tensor_batch
+    sample = {"data file": columns["source_row"][i]} if "source_row" in columns else {}
+    sample["data_source"] = str(columns["data_source"][i])
+    if "raw_prompt" in columns:
+        sample["prompt"] = columns["raw_prompt"][i]
+    return sample | {"response": response, "ground truth": columns["ground_truth"][i]}
+
+
+def _shorten(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 30]}... ({len(text)} characters)"
+
+
+def _scorer_traceback(exc: Exception) -> str:
+    """The traceback of `exc` from the scorer's own frames on (the frames of this module dropped)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _score_one(fn: Callable, source: str, text: str, truth: Any, extra_info: Any) -> tuple[float, dict[str, Any]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -19,12 +20,13 @@ from typing import Any
 import torch
 
 from ketch.config import to_dict
-from ketch.controller.errors import WorkerDiedError, WorkerError, is_out_of_memory
+from ketch.controller.errors import WorkerDiedError, WorkerError, describe, is_out_of_memory
 from ketch.report import write_report
 from ketch.rollout import stop_token_ids
 from ketch.tracking import Tracker, info
-from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
+from ketch.trainer.checkpoint import CheckpointManager, due, is_io_error, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
+from ketch.trainer.run_dir import removed_if_start_fails
 
 logger = logging.getLogger("ketch")
 
@@ -44,14 +46,22 @@ class TrainingLoop:
     failures: list[dict[str, Any]]
 
     def fit(self) -> dict[str, float]:
-        """Train until `total_steps`, recovering from failed steps; returns the last step's metrics."""
+        """Train until `total_steps`, recovering from failed steps; returns the last step's metrics. A failure that
+        ends the run is recorded (event, summary, report) before it propagates."""
         self._open()
-        while True:
-            try:
-                metrics = self._run()
-                break
-            except RECOVERABLE as err:
-                self._recover(err)
+        try:
+            while True:
+                try:
+                    metrics = self._run()
+                    break
+                except RECOVERABLE as err:
+                    self._recover(err)
+        except RunFailedError:
+            raise
+        except Exception as err:
+            self._record_failure(err)
+            self._close_failed()
+            raise
         self._finish(metrics)
         return metrics
 
@@ -82,16 +92,26 @@ class TrainingLoop:
 
     # ----------------------------------------------------------------- start, checkpoints, resume
     def _open(self) -> None:
+        """Create the run directory, the tracker and the workers, and resume; a failure here stops what started
+        and leaves no new run directory behind."""
         c = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
-        self.checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
-        )
-        self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
-        self.failures = []
-        self.groups = self._build_groups()
-        self._resume(self.checkpoints.to_resume(c.trainer.resume_mode))
+        with removed_if_start_fails(self.run_dir):
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
+                self.checkpoints = CheckpointManager(
+                    self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
+                )
+                self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
+                self.failures = []
+                self.groups = self._build_groups()
+                self._resume(self.checkpoints.to_resume(c.trainer.resume_mode))
+            except BaseException:
+                if getattr(self, "groups", None) is not None:
+                    self.groups.shutdown()
+                if getattr(self, "tracker", None) is not None:
+                    self.tracker.close(failed=True)
+                raise
         info(
             f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
             f"{self.plan.sequences_per_step} samples"
@@ -139,8 +159,11 @@ class TrainingLoop:
                 **self._extra_state(),
             }
             path = self.checkpoints.commit(staging, self.step, state, to_dict(self.config))
-        except BaseException:
+        except BaseException as err:
             self.checkpoints.discard(staging)
+            if is_io_error(err):
+                raise self.checkpoints.io_failure(self.step, err) from err
+            err.step = self.step  # the failure belongs to the step being saved, not to the next one
             raise
         self.tracker.event("checkpoint", step=self.step, path=str(path))
         return path
@@ -165,25 +188,13 @@ class TrainingLoop:
     def _recover(self, err: BaseException) -> None:
         """Record the failure, checkpoint if possible, then restart the workers from the newest checkpoint."""
         t = self.config.trainer
-        failure = {
-            "step": self.step + 1,
-            "role": getattr(err, "role", "driver"),
-            "rank": getattr(err, "rank", None),
-            "error": f"{type(err).__name__}: {_first_line(err)}",
-            "out_of_memory": is_out_of_memory(err),
-        }
-        self.failures.append(failure)
-        logger.error(
-            "step %d failed (%s rank %s): %s", failure["step"], failure["role"], failure["rank"], failure["error"]
-        )
-        self.tracker.event("failure", **failure)
+        failure = self._record_failure(err)
         if t.checkpoint_on_failure and not isinstance(err, WorkerDiedError):
             self._try_checkpoint_on_failure()
-        self.groups.shutdown()
         if len(self.failures) > t.max_retries:
-            self.tracker.close(failed=True)
-            self._write_report()
+            self._close_failed()
             raise RunFailedError(self._failure_summary()) from err
+        self.groups.shutdown()
         if failure["out_of_memory"]:
             time.sleep(t.oom_retry_delay)
         self.groups = self._build_groups()
@@ -191,12 +202,37 @@ class TrainingLoop:
         self.tracker.event("recovery", step=self.step, attempt=len(self.failures))
         info(f"recovered (attempt {len(self.failures)} of {t.max_retries}); continuing after step {self.step}")
 
+    def _record_failure(self, err: BaseException) -> dict[str, Any]:
+        """Log `err` with its cause and traceback (the worker's own for a worker failure) and record it as a
+        `failure` event."""
+        failure = {
+            "step": getattr(err, "step", self.step + 1),
+            "role": getattr(err, "role", "driver"),
+            "rank": getattr(err, "rank", None),
+            "error": err.error if type(err) is WorkerError else describe(err),  # died / timed out: the type leads
+            "traceback": err.traceback if isinstance(err, WorkerError) else "".join(traceback.format_exception(err)),
+            "out_of_memory": is_out_of_memory(err),
+        }
+        self.failures.append(failure)
+        where = f"step {failure['step']} failed ({failure['role']} rank {failure['rank']}): {failure['error']}"
+        if isinstance(err, WorkerError):  # the driver's own errors reach the user whole as they propagate
+            where += "\n" + failure["traceback"]
+        logger.error(where)
+        self.tracker.event("failure", **failure)
+        return failure
+
+    def _close_failed(self) -> None:
+        """End a failed run: stop the workers, mark the trackers failed, write the report."""
+        self.groups.shutdown()
+        self.tracker.close(failed=True)
+        self._write_report()
+
     def _try_checkpoint_on_failure(self) -> None:
         """Checkpoint the last completed step unless it already is: a checkpoint written before the failure is
         cleaner than the models now (the failed step may have updated some of them)."""
         latest = self.checkpoints.latest()
-        if latest is not None and read_trainer_state(latest)["global_step"] == self.step:
-            return
+        if self.step == 0 or (latest is not None and read_trainer_state(latest)["global_step"] == self.step):
+            return  # nothing trained since the last checkpoint (or the start): a new one would stand in for progress
         try:
             path = self._save_checkpoint()
             info(f"saved a checkpoint at the failure: {path}")
@@ -209,6 +245,10 @@ class TrainingLoop:
             f"{self.config.trainer.max_retries} allows:"
         ]
         lines += [f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}" for f in self.failures]
+        if self.failures[-1]["traceback"]:
+            lines += ["the last failure's traceback (the failure events in metrics.jsonl hold each one):"]
+            lines += [textwrap.indent(self.failures[-1]["traceback"], "  ")]
+        lines += [f"details: {self.run_dir / 'summary.txt'}, {self.run_dir / 'report.html'}"]
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- the end
@@ -262,8 +302,3 @@ class TrainingLoop:
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         """Restore what `_extra_state` saved, from the whole trainer state."""
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

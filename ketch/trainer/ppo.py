@@ -29,8 +29,10 @@ from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
+from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
+from ketch.trainer.balance import balance_tokens
 from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
@@ -45,6 +47,7 @@ class PPOTrainer(TrainingLoop):
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
+        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
@@ -167,13 +170,14 @@ class PPOTrainer(TrainingLoop):
         return batch, metrics
 
     def _for_update(self, batch: DataProto) -> DataProto:
-        """Only what the actor update reads travels to the workers."""
+        """Only what the actor update reads travels to the workers, rows spread so that every data-parallel rank
+        gets about the same number of real tokens."""
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
         a = self.config.actor
         optional = ["old_log_prob"] + (["ref_log_prob"] if a.use_kl_loss else [])
         optional += ["rollout_log_probs"] if a.rollout_is is not None else []
         keys += [k for k in optional if k in batch.batch]
-        return batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
+        return balance_tokens(batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[]), self.plan.world_size)
 
     def _validate(self, step: int) -> dict[str, float]:
         """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""

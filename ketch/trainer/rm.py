@@ -12,11 +12,13 @@ from ketch.config import ConfigError, KetchConfig, to_dict
 from ketch.data import PreferenceDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.models import load_tokenizer
+from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import build_reward_model_group
+from ketch.trainer.run_dir import removed_if_start_fails
 
 ROLE_DIR = "reward_model"
 """The reward model's part of a checkpoint directory."""
@@ -35,6 +37,7 @@ class RMTrainer:
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
+        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         tokenizer = load_tokenizer(c.model.tokenizer_path or self.model_path, c.model.trust_remote_code)
@@ -48,15 +51,16 @@ class RMTrainer:
     def fit(self) -> dict[str, float]:
         """Train, validate and checkpoint as described above; returns the last step's metrics."""
         c = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
-        tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
-        checkpoints = CheckpointManager(
-            self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
-        )
-        groups = build_reward_model_group(c, self.model_path, self.total_steps)
-        group = groups.reward_model
-        start = self._resume(group, checkpoints, tracker)
+        with removed_if_start_fails(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(to_dict(c), indent=2))
+            tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
+            checkpoints = CheckpointManager(
+                self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
+            )
+            groups = build_reward_model_group(c, self.model_path, self.total_steps)
+            group = groups.reward_model
+            start = self._resume(group, checkpoints, tracker)
         metrics: dict[str, float] = {}
         for step in range(start + 1, self.total_steps + 1):
             metrics = group.rm_step(self.loader.next_batch()).meta_info["metrics"]

@@ -14,11 +14,13 @@ from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer, local_or_hub
+from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
+from ketch.trainer.run_dir import removed_if_start_fails
 from ketch.trainer.validation import generate_and_score
 
 
@@ -34,6 +36,7 @@ class SFTTrainer:
 
     def __init__(self, config: KetchConfig, model_path: str | None = None):
         self.config = c = config
+        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         if model_path is None and c.model.path == BUILTIN_MODEL:
             raise ValueError(
@@ -60,9 +63,10 @@ class SFTTrainer:
         """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`,
         given the metrics of a validated step, ends training early when it returns True."""
         c = self.config
-        tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
-        plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
-        groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
+        with removed_if_start_fails(self.run_dir):
+            tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
+            plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
+            groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
         group = groups.actor_rollout
         metrics: dict[str, float] = {}
         for step in range(1, self.total_steps + 1):

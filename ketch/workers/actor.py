@@ -16,16 +16,25 @@ from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
 from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout, stop_token_ids
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import (
+    DeviceMemory,
+    mean_over_steps,
+    mini_batches,
+    setup_process,
+    shuffle_seed,
+    token_share,
+)
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(DeviceMemory, Worker):
     """Generates, scores log-probs and trains the policy; `model_path` is a resolved HF directory or hub id."""
 
     def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
@@ -45,15 +54,18 @@ class ActorRolloutRefWorker(Worker):
             self._build_megatron_engines()
         else:
             mixed = self.dtype if self.dtype != torch.float32 else None
+            packed = packing_enabled(c.model.use_remove_padding, self.device)
             self.actor = TrainEngine(
-                PolicyModel(self._load(torch.float32)),
+                PolicyModel(self._load(torch.float32), packed),
                 self.device,
                 c.actor.optim,
                 self.total_updates,
                 param_dtype=mixed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
             )
-            self.ref = TrainEngine(PolicyModel(self._load(self.dtype)), self.device) if c.use_reference else None
+            self.ref = (
+                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device) if c.use_reference else None
+            )
             self.hf_config = self.actor.module.lm.config
         self.rollout = build_rollout(
             c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank
@@ -83,7 +95,10 @@ class ActorRolloutRefWorker(Worker):
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self.config.model
-        return load_causal_lm(self.model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+        lm = load_causal_lm(self.model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+        if m.use_liger:
+            fuse_kernels(lm, self.device)
+        return lm
 
     @register(DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -97,9 +112,8 @@ class ActorRolloutRefWorker(Worker):
     @register(DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_prob` and `entropy` `[batch, response_len]` under the current actor."""
-        out = self.actor.infer(
-            data, self.config.rollout.log_prob_micro_batch_size_per_device, **self._forward_kwargs(True)
-        )
+        micro = self.config.rollout.log_prob_micro_batch_size_per_device
+        out = self.actor.infer(data, micro, self._token_budget(), **self._forward_kwargs(True))
         return DataProto.from_dict({"old_log_prob": out["log_prob"].cpu(), "entropy": out["entropy"].cpu()})
 
     @register(DP_COMPUTE_PROTO)
@@ -107,8 +121,14 @@ class ActorRolloutRefWorker(Worker):
         """`ref_log_prob` `[batch, response_len]` under the frozen reference policy."""
         if self.ref is None:
             raise RuntimeError("compute_ref_log_prob called, but no reference policy was built (KL is not used)")
-        out = self.ref.infer(data, self.config.ref.log_prob_micro_batch_size_per_device, **self._forward_kwargs(False))
+        micro = self.config.ref.log_prob_micro_batch_size_per_device
+        out = self.ref.infer(data, micro, self._token_budget(), **self._forward_kwargs(False))
         return DataProto.from_dict({"ref_log_prob": out["log_prob"].cpu()})
+
+    def _token_budget(self) -> int | None:
+        """Tokens per micro-batch (`actor.use_dynamic_bsz`) for the update and the log-prob passes, else None."""
+        a = self.config.actor
+        return a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
 
     def _forward_kwargs(self, calc_entropy: bool) -> dict:
         return {"temperature": self.config.rollout.temperature, "calc_entropy": calc_entropy}
@@ -117,13 +137,12 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over this rank's share, then the weight hand-off to the rollout; returns metrics."""
         a = self.config.actor
-        max_tokens = a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
-        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        seed = shuffle_seed(self, self.update_count)
         # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
         steps = [
             self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy))
-            for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, max_tokens)
+            for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, self._token_budget())
         ]
         self.update_count += 1
         metrics = mean_over_steps(steps, "actor")
@@ -224,7 +243,7 @@ class ActorRolloutRefWorker(Worker):
     def save_pretrained(self, out_dir: str, engine_config: dict | None = None) -> None:
         """Write the actor as a Hugging Face directory with its tokenizer, the run's stop tokens as EOS
         and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
-        state = gather_hf_state(self.actor)
+        state = gather_hf_state(self.actor, keep=self.rank == 0)
         if self.rank == 0:
             stops = stop_token_ids(self.tokenizer.eos_token_id, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ketch.config.batch import UpdatePlan
+from ketch.controller import ONE_TO_ALL, register
 from ketch.engine.distributed import init_process_group, resolve_device
 from ketch.engine.micro import split_micro_batches
 from ketch.protocol import DataProto
@@ -27,6 +28,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def shuffle_seed(worker, update_count: int) -> int:
+    """The seed of one update's mini-batch shuffle: shared by tensor/pipeline peers (Megatron needs every peer
+    to see the same rows in the same order) and different between data-parallel ranks."""
+    return worker.config.trainer.seed + 7919 * update_count + worker.dispatch_rank()[0]
 
 
 def mini_batches(
@@ -55,3 +62,22 @@ def mean_over_steps(step_metrics: list[dict[str, float]], prefix: str) -> dict[s
 def token_share(micro: DataProto, num_tokens: torch.Tensor) -> torch.Tensor:
     """This micro-batch's fraction of the mini-batch's valid tokens (weights metrics so they sum exactly)."""
     return micro.batch["response_mask"].sum() / num_tokens.clamp(min=1)
+
+
+class DeviceMemory:
+    """A worker mixin: the peak accelerator memory of this process, as the benchmarks read it from each rank."""
+
+    @register(ONE_TO_ALL)
+    def peak_device_memory(self, reset: bool = False) -> dict[str, float]:
+        """`allocated_gib` and `reserved_gib` peaks since the start (or the last reset) on this process's GPU,
+        and its `device` name; zeros on a CPU. `reset` starts a new peak after reading."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return {"allocated_gib": 0.0, "reserved_gib": 0.0, "device": "cpu"}
+        peaks = {
+            "allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "device": f"cuda:{torch.cuda.current_device()}",
+        }
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return peaks

@@ -13,14 +13,23 @@ from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
 from ketch.engine.megatron.grid import RankGrid
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_critic
 from ketch.protocol import DataProto
-from ketch.workers.common import mean_over_steps, mini_batches, setup_process, token_share
+from ketch.workers.common import (
+    DeviceMemory,
+    mean_over_steps,
+    mini_batches,
+    setup_process,
+    shuffle_seed,
+    token_share,
+)
 
 
-class CriticWorker(Worker):
+class CriticWorker(DeviceMemory, Worker):
     """Holds the value model; its backbone starts from `critic.model_path` or the actor's `model_path`."""
 
     def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
@@ -36,6 +45,8 @@ class CriticWorker(Worker):
             c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
         )
         self.hf_config = critic.config
+        if m.use_liger:
+            fuse_kernels(critic, self.device)
         mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         if c.critic.strategy == "megatron":
             from ketch.engine.megatron.engine import MegatronEngine
@@ -48,7 +59,12 @@ class CriticWorker(Worker):
             )
         else:
             self.critic = TrainEngine(
-                ValueModel(critic), self.device, c.critic.optim, self.total_updates, mixed, m.gradient_checkpointing
+                ValueModel(critic, packing_enabled(m.use_remove_padding, self.device)),
+                self.device,
+                c.critic.optim,
+                self.total_updates,
+                mixed,
+                m.gradient_checkpointing,
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:
@@ -69,7 +85,7 @@ class CriticWorker(Worker):
     @register(DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Value-loss epochs over this rank's share; returns metrics."""
-        seed = self.config.trainer.seed + 7919 * self.update_count + self.rank
+        seed = shuffle_seed(self, self.update_count)
         steps = [
             self.critic.train_mini_batch(micros, self._loss)
             for micros in mini_batches(data, self.plan.critic, self.config.actor.shuffle, seed)
@@ -89,7 +105,7 @@ class CriticWorker(Worker):
     @register(ONE_TO_ALL)
     def save_pretrained(self, out_dir: str) -> None:
         """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label)."""
-        state = gather_hf_state(self.critic)
+        state = gather_hf_state(self.critic, keep=self.rank == 0)
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir)
 

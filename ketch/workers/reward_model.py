@@ -16,13 +16,14 @@ from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import ScoreModel
+from ketch.engine.packing import packing_enabled
 from ketch.models import load_reward_model, load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
 from ketch.rollout import stop_token_ids
-from ketch.workers.common import setup_process
+from ketch.workers.common import DeviceMemory, setup_process
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(DeviceMemory, Worker):
     """Holds the reward model at `model_path` with its tokenizer at `tokenizer_path`.
 
     `total_updates` (optimizer steps of `ketch rm`) gives it an optimizer; None keeps it frozen (PPO).
@@ -53,7 +54,8 @@ class RewardModelWorker(Worker):
         mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         optim = c.reward.model.optim if training else None
         checkpointing = training and m.gradient_checkpointing
-        self.engine = TrainEngine(ScoreModel(model), self.device, optim, self.total_updates or 1, mixed, checkpointing)
+        head = ScoreModel(model, packing_enabled(m.use_remove_padding, self.device))
+        self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing)
         self.actor_tokenizer = self._actor_tokenizer_if_needed()
 
     def _actor_tokenizer_if_needed(self):
@@ -108,7 +110,7 @@ class RewardModelWorker(Worker):
     def save_pretrained(self, out_dir: str) -> None:
         """Write the reward model as a Hugging Face directory (`*ForSequenceClassification`, one label) with its
         tokenizer (every rank gathers, rank 0 writes)."""
-        state = gather_hf_state(self.engine)
+        state = gather_hf_state(self.engine, keep=self.rank == 0)
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer)
 

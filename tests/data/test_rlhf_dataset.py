@@ -54,6 +54,7 @@ def test_simple_layout_item(write_rows, tokenizer):
         "ground_truth": "3",
         "extra_info": {},
         "index": 0,
+        "source_row": f"{path}, row 0",
         "answer": "3",
         "response": "#### 3",
     }

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+HERE = Path(__file__).parent
+
 
 def pytest_collection_modifyitems(config, items):
+    """Collection hooks see every item of the session, so only this folder's tests are marked."""
     gpus = torch.cuda.device_count()
     for item in items:
+        if HERE not in Path(item.path).parents:
+            continue
         needed = item.get_closest_marker("gpus")
         count = needed.args[0] if needed else 1
         if gpus < count:

@@ -277,7 +277,12 @@ class MegatronEngine:
         grad_norm = self._grad_norm()
         lr = self.scheduler.get_last_lr()[0]
         if not math.isfinite(grad_norm):
-            logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
+            logger.warning(
+                "non-finite gradient norm (%s): optimizer step skipped; non-finite on rank %d: %s",
+                grad_norm,
+                dist.get_rank(),
+                self._non_finite_gradients(),
+            )
             self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 1.0}
         clip = self.optim_config.grad_clip
@@ -288,6 +293,16 @@ class MegatronEngine:
         self.optimizer.step()
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 0.0}
+
+    def _non_finite_gradients(self, show: int = 4) -> str:
+        """Which of this rank's gradients hold NaN/inf (Megatron names, chunk index first), the first `show`."""
+        bad = [
+            f"{i}.{name}"
+            for i, chunk in enumerate(self.chunks)
+            for name, p in chunk.named_parameters()
+            if p.grad is not None and not torch.isfinite(p.grad).all()
+        ]
+        return ", ".join(bad[:show]) + (f" and {len(bad) - show} more" if len(bad) > show else "") or "none"
 
     def _reduce_gradients(self) -> None:
         """Sum over data-parallel ranks; sequence-parallel norms over tensor ranks; tied embedding copies over
@@ -326,22 +341,24 @@ class MegatronEngine:
         """(HF name, full tensor) of every weight, on every rank: tensor-parallel pieces are gathered and each
         pipeline stage broadcasts its layers, one tensor at a time (`prefix` is accepted for the FSDP engine's
         signature; names are already HF names). A tied embedding also comes as `lm_head.weight`."""
+        states = [chunk.state_dict() for chunk in self.chunks]  # views of the live weights, made once
         for pp_rank in range(self.parallel.pp):
             for vp_stage in range(self.parallel.vpp or 1):
                 for local, name, layer in chunk_names(self.shape, self.parallel, pp_rank, vp_stage):
                     if name == "output_layer.weight" and self.shape.tied:
                         continue
-                    full = self._gather(pp_rank, vp_stage, local, name)
+                    full = self._gather(states, pp_rank, vp_stage, local, name)
                     for hf_name, tensor in to_hf(name, layer, full, self.shape):
                         tensor = tensor.to(dtype or tensor.dtype)
                         yield hf_name, tensor
                         if hf_name == "model.embed_tokens.weight" and self.shape.tied:
                             yield "lm_head.weight", tensor
 
-    def _gather(self, pp_rank: int, vp_stage: int, local: str, name: str) -> torch.Tensor:
+    def _gather(self, states: list[dict], pp_rank: int, vp_stage: int, local: str, name: str) -> torch.Tensor:
+        """The full float32 tensor `name` (`local` in chunk `vp_stage` of stage `pp_rank`) on every rank."""
         shape = self.shape.full_shape(name)
         if self.pp_rank == pp_rank:
-            piece = self.chunks[vp_stage].state_dict()[local].detach()
+            piece = states[vp_stage][local].detach()
             kind = self.shape.kind(name)
             if self.parallel.tp > 1 and kind != "replicated":
                 pieces = [torch.empty_like(piece) for _ in range(self.parallel.tp)]

@@ -1,0 +1,298 @@
+"""Errors a user can act on: each failure says what, where and what to do, and a failed run stays readable
+(docs/errors.md lists them). One test per pattern; every test fails on the code before issue 13."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import pyarrow.parquet as pq
+import pytest
+
+from ketch.cli import main
+from ketch.config import ConfigError, DataConfig, KetchConfig, load_config, to_yaml
+from ketch.config.validate import RANGES
+from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer
+from ketch.trainer.loop import RunFailedError
+from ketch.trainer.ppo import PPOTrainer
+from ketch.workers import ActorRolloutRefWorker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def failure_events(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for line in lines if (r := json.loads(line)).get("event") == "failure"]
+
+
+def test_a_worker_failure_carries_its_cause_everywhere_and_leaves_no_step_0_checkpoint(
+    tiny_config, monkeypatch, caplog
+):
+    """The fault hook (as in test_faults.py): the actor's generate_sequences raises in the first step, locally."""
+
+    @functools.wraps(ActorRolloutRefWorker.generate_sequences)
+    def generate_sequences(self, prompts):
+        raise ValueError("prompt 3 has no tokens (injected by a test)")
+
+    monkeypatch.setattr(ActorRolloutRefWorker, "generate_sequences", generate_sequences)
+    trainer = PPOTrainer(tiny_config())
+    with caplog.at_level(logging.ERROR, logger="ketch"), pytest.raises(RunFailedError) as err:
+        trainer.fit()
+    cause = "generate_sequences raised ValueError: prompt 3 has no tokens (injected by a test)"
+    worker_line = 'raise ValueError("prompt 3 has no tokens (injected by a test)")'  # the worker-side frame
+    assert f"step 1: actor_rollout rank 0: {cause}" in str(err.value) and worker_line in str(err.value)
+    (event,) = failure_events(trainer.run_dir)
+    assert (event["step"], event["role"], event["rank"], event["error"]) == (1, "actor_rollout", 0, cause)
+    assert worker_line in event["traceback"] and "test_errors.py" in event["traceback"]
+    assert cause in caplog.text and worker_line in caplog.text
+    summary = (trainer.run_dir / "summary.txt").read_text()
+    assert f"failure at step 1: actor_rollout rank 0: {cause}" in summary and worker_line in summary
+    assert "ValueError: prompt 3 has no tokens" in (trainer.run_dir / "report.html").read_text()
+    # the untrained model is not saved as step 0, so the next plain run starts fresh instead of resuming from it
+    assert trainer.checkpoints.complete() == []
+
+
+def run_cli(*args: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """`python -m ketch *args` in a fresh process; `file_size_limit` caps every file it writes (RLIMIT_FSIZE, with
+    SIGXFSZ ignored so that a write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
+
+    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by this process's runs
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous} | {
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "ketch", *args]
+    return subprocess.run(
+        command, capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit if file_size_limit else None
+    )
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_says_so_keeps_the_previous_checkpoint_and_writes_the_report(tiny_config, tmp_path):
+    """A real failed write: the second run may write no file over 300 kB (RLIMIT_FSIZE); a checkpoint shard of the
+    tiny model is ~460 kB, report.html ~160 kB."""
+    config = tiny_config("trainer.total_steps=1")
+    PPOTrainer(config).fit()  # global_step_1, written without a limit
+    (tmp_path / "run.yaml").write_text(to_yaml(config).replace("total_steps: 1\n", "total_steps: 2\n"))
+    result = run_cli("train", "--config-path", str(tmp_path / "run.yaml"), file_size_limit=300_000)
+    run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    message = result.stderr.split("ketch train: error: ", 1)[1]
+    assert message.startswith(f"could not write the checkpoint of step 2 to {run_dir.resolve() / 'checkpoints'}")
+    assert "File too large" in message and " bytes (" in message and "GiB) are free on" in message
+    assert f"{run_dir / 'checkpoints' / 'global_step_1'} stays the latest checkpoint" in message
+    assert (run_dir / "checkpoints" / "latest").read_text() == "global_step_1"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["global_step_1", "latest"]
+    summary = (run_dir / "summary.txt").read_text()
+    assert "failure at step 2: driver rank None: CheckpointError: could not write the checkpoint of step 2" in summary
+    assert "CheckpointError" in (run_dir / "report.html").read_text()
+
+
+def cli_error(capsys, *args: str) -> str:
+    """Run `ketch *args` in this process: it must exit 2 (a user error) with no traceback through ketch's own
+    code (a user's reward function shows its own); returns the message."""
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert f'File "{ROOT / "ketch"}' not in err
+    return err.split(f"ketch {args[0]}: error: ", 1)[1]
+
+
+def test_an_unwritable_output_dir_stops_the_run_before_any_model_loads(capsys, tmp_path, task_files):
+    blocker = tmp_path / "a-file"  # a directory cannot be made under a file, even by root
+    blocker.write_text("")
+    message = cli_error(
+        capsys,
+        "train",
+        f"model.path={tmp_path / 'no-model'}",  # checked after the output dir: this error must not come first
+        f"data.train_files=[{task_files['train']}]",
+        f"trainer.default_local_dir={blocker / 'runs'}",
+    )
+    assert message.startswith(f"cannot start the run:\n  - cannot write in {blocker} (Not a directory)")
+    assert "set trainer.default_local_dir to a directory you can write" in message
+
+
+def test_rollout_vllm_without_vllm_stops_the_run_before_any_model_loads(capsys, monkeypatch, tmp_path):
+    """Everything the run needs is imported already; the directories that hold vLLM's metadata leave sys.path."""
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not any(Path(p).glob("vllm*.dist-info"))])
+    message = cli_error(
+        capsys,
+        "train",
+        "rollout.name=vllm",
+        f"model.path={tmp_path / 'no-model'}",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+    )
+    assert message.startswith("cannot start the run:\n  - not installed, and rollout.name=vllm: pip install 'vllm>=")
+    assert message.endswith("or set rollout.name=hf\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_training_set_smaller_than_one_batch_is_a_one_line_error(capsys, tmp_path, tiny_model_dir, task_files):
+    rows = pq.read_table(task_files["train"]).slice(0, 5)
+    pq.write_table(rows, tmp_path / "five.parquet")
+    message = cli_error(
+        capsys,
+        "train",
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{tmp_path / 'five.parquet'}]",
+        "data.train_batch_size=8",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+    )
+    assert message == (
+        "the training set has 5 prompts, fewer than one batch (data.train_batch_size=8); lower the batch size "
+        "or add data\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_start_that_fails_after_the_run_directory_was_made_removes_it(capsys, tmp_path, tiny_model_dir, task_files):
+    """The workers start, then the checkpoint to resume from turns out not to exist."""
+    missing = tmp_path / "elsewhere" / "global_step_3"
+    message = cli_error(
+        capsys,
+        "train",
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{task_files['train']}]",
+        "data.train_batch_size=8",
+        "trainer.device=cpu",
+        "trainer.val_before_train=false",
+        f"trainer.resume_mode={missing}",
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+    )
+    assert message.startswith(f"{missing} is not a complete ketch checkpoint")
+    assert not (tmp_path / "runs" / "arithmetic-ppo").exists()
+
+
+def test_train_files_take_a_directory_of_shards_a_glob_and_say_when_a_path_does_not_exist(tmp_path, task_files):
+    table = pq.read_table(task_files["train"]).slice(0, 9)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):  # rows 0-2, 3-5, 6-8
+        pq.write_table(table.slice(3 * i, 3), shards / f"part-{i:02d}.parquet")
+    (shards / "README.md").write_text("not data")
+    tokenizer, config = build_char_tokenizer(), DataConfig()
+    whole = RLHFDataset([str(shards)], tokenizer, config)
+    assert len(whole) == 9 and whole.rows.locate(7) == f"{shards / 'part-02.parquet'}, row 1"
+    unsharded = RLHFDataset([str(task_files["train"])], tokenizer, config)
+    assert [whole[i]["raw_prompt"] for i in range(9)] == [unsharded[i]["raw_prompt"] for i in range(9)]
+    picked = RLHFDataset([str(shards / "part-0[02].parquet")], tokenizer, config)
+    assert len(picked) == 6 and picked.rows.files == [str(shards / "part-00.parquet"), str(shards / "part-02.parquet")]
+    with fsspec.open("memory://bucket/data/a.parquet", "wb") as f:  # a URL directory (fsspec's in-memory store)
+        pq.write_table(table.slice(0, 4), f)
+    remote = RLHFDataset(["memory://bucket/data"], tokenizer, config)
+    assert len(remote) == 4 and remote.rows.files == ["memory:///bucket/data/a.parquet"]  # fsspec's spelling
+    with pytest.raises(DatasetError, match=rf"data file not found: {tmp_path / 'nope'}; check data.train_files"):
+        RLHFDataset([str(tmp_path / "nope")], tokenizer, config)
+    with pytest.raises(DatasetError, match=r"data file pattern .*part-9\*.parquet matches no file"):
+        RLHFDataset([str(shards / "part-9*.parquet")], tokenizer, config)
+    with pytest.raises(DatasetError, match=r"data directory .*empty holds no \*.parquet file"):
+        (tmp_path / "empty").mkdir()
+        RLHFDataset([str(tmp_path / "empty")], tokenizer, config)
+
+
+def test_values_out_of_range_are_named_at_load_time(capsys):
+    message = cli_error(capsys, "config", "show", "actor.optim.lr=-1e-5", "algorithm.gamma=1.5", "rollout.top_p=0")
+    assert message == (
+        "invalid configuration:\n"
+        "  - actor.optim.lr=-1e-05 must be > 0\n"
+        "  - rollout.top_p=0.0 must be in (0, 1] (1 disables nucleus sampling)\n"
+        "  - algorithm.gamma=1.5 must be in [0, 1]\n"
+    )
+    inside = ["algorithm.gamma=1", "algorithm.lam=0", "rollout.top_p=1", "actor.clip_ratio_c=3", "reward.clip=null"]
+    assert load_config(overrides=inside).algorithm.gamma == 1.0
+    for bad, bound in [
+        ("actor.clip_ratio_low=1.0", "must be in [0, 1)"),  # 1 - clip_ratio_low would be 0
+        ("actor.clip_ratio_c=1", "must be > 1"),
+        ("critic.optim.betas=[0.9,1.0]", "must be in [0, 1)"),
+        ("rollout.temperature=.nan", "must be > 0"),
+        ("trainer.worker_timeout=0", "must be > 0"),
+        ("actor.megatron.tensor_model_parallel_size=0", "must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(f"{bad.split('=')[0]}=") + r".* " + re.escape(bound)):
+            load_config(overrides=[bad])
+
+
+def numeric_keys(section, prefix: str = "") -> list[str]:
+    """Every int/float key of the schema (lists of numbers and optional numbers included), dotted."""
+    keys = []
+    for f in dataclasses.fields(section):
+        value, kinds = getattr(section, f.name), re.findall(r"\b(int|float)\b", str(f.type))
+        if dataclasses.is_dataclass(value):
+            keys += numeric_keys(value, f"{prefix}{f.name}.")
+        elif kinds and "dict" not in str(f.type):
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def test_every_numeric_key_has_a_range():
+    config = KetchConfig()
+    missing = []
+    for key in numeric_keys(config):
+        *sections, name = key.split(".")
+        section = functools.reduce(getattr, sections, config)
+        if name not in RANGES.get(type(section), {}):
+            missing.append(key)
+    assert missing == [], "give these keys a line in ketch/config/validate.py RANGES"
+    assert len(numeric_keys(config)) > 60  # the walk finds the schema's keys (a sanity check of the helper)
+
+
+def test_a_key_given_twice_is_reported(capsys, tmp_path, caplog):
+    (tmp_path / "run.yaml").write_text("trainer:\n  total_steps: 3\n")
+    with caplog.at_level(logging.INFO, logger="ketch"):
+        config = load_config(tmp_path / "run.yaml", ["trainer.total_steps=7"])
+    assert config.trainer.total_steps == 7
+    assert f"trainer.total_steps=7 from the command line replaces 3 from {tmp_path / 'run.yaml'}" in caplog.text
+    twice = "trainer.total_steps is given twice on the command line (3, then 4); give it once\n"
+    assert cli_error(capsys, "config", "show", "trainer.total_steps=3", "--trainer.total_steps", "4") == twice
+    assert cli_error(capsys, "config", "show", "trainer={total_steps: 3}", "trainer.total_steps=4") == twice
+    (tmp_path / "run.yaml").write_text(
+        "trainer:\n  total_steps: 3\n  seed: 2\ndata:\n  shuffle: false\ntrainer:\n  seed: 5\n"
+    )
+    message = cli_error(capsys, "config", "show", "--config-path", str(tmp_path / "run.yaml"))
+    assert message == f"config file {tmp_path / 'run.yaml'} gives trainer twice (lines 1 and 6); give each key once\n"
+    (tmp_path / "run.yaml").write_text("trainer:\n  total_steps: 3\n  total_steps: 4\n")
+    message = cli_error(capsys, "config", "show", "--config-path", str(tmp_path / "run.yaml"))
+    assert message.endswith("gives trainer.total_steps twice (lines 2 and 3); give each key once\n")
+
+
+def test_a_reward_function_that_raises_shows_its_traceback_and_the_sample(capsys, tmp_path, tiny_config, task_files):
+    scorer = tmp_path / "my_reward.py"
+    scorer.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    rules = {}\n"
+        "    return rules[ground_truth]\n"
+    )
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(to_yaml(tiny_config(f"reward.function={scorer}:score")))
+    message = cli_error(capsys, "train", "--config-path", str(config_file))
+    head, sample, scorer_traceback = re.split(r"\nthe sample:\n|\nthe scorer's traceback:\n", message)
+    assert re.fullmatch(
+        rf"reward scorer reward.function={scorer}:score failed on sample 0 "
+        r"\(data_source='ketch/arithmetic'\): KeyError: '\d+'",
+        head,
+    )
+    fields = dict(re.findall(r"  ([a-z_ ]+): (.*)", sample))
+    assert list(fields) == ["data file", "data_source", "prompt", "response", "ground truth"]
+    file, row = re.fullmatch(r"(.*), row (\d+)", fields["data file"]).groups()
+    assert file == str(task_files["train"])
+    stored = pq.read_table(file).slice(int(row), 1).to_pylist()[0]  # the row the message names holds the sample
+    assert fields["prompt"] == repr(stored["prompt"]) and fields["ground truth"] == repr(stored["answer"])
+    assert head.endswith(f"KeyError: {stored['answer']!r}")
+    assert scorer_traceback.startswith(
+        f'Traceback (most recent call last):\n  File "{scorer}", line 3, in score\n    return rules[ground_truth]\n'
+    )
+    assert scorer_traceback.endswith("set reward.on_error=zero to score such samples 0\n")
