@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make run` (the built-in PPO demo) and `make test` (the whole suite).
+# Two commands on a fresh machine: `make run` (the built-in GRPO demo) and `make test` (the whole suite).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

@@ -119,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
 
             PPOTrainer(config).fit()
         elif args.command == "sft":
+            from ketch.trainer.builtin import resolve_model_path
             from ketch.trainer.sft import SFTTrainer
 
-            SFTTrainer(config).fit()
+            SFTTrainer(config, resolve_model_path(config)).fit()
         elif args.command == "rm":
             from ketch.trainer.rm import RMTrainer
 

@@ -56,6 +56,9 @@ def tiny_config(tiny_model_dir: Path, task_files: dict[str, Path], tmp_path: Pat
             f"data.val_files=[{task_files['val']}]",
             "data.train_batch_size=8",
             "data.max_response_length=8",
+            "algorithm.adv_estimator=gae",  # PPO with a critic, one sample per prompt: the tests' common case
+            "rollout.n=1",
+            "actor.ppo_mini_batch_size=null",
             "trainer.total_steps=2",
             "trainer.test_freq=0",
             "trainer.val_before_train=false",

@@ -78,13 +78,13 @@ def test_missing_yaml_file_is_named(tmp_path):
 
 
 def test_mini_batch_that_does_not_divide_names_both_keys():
-    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=7 must divide data.train_batch_size=128"):
+    with pytest.raises(ConfigError, match=r"actor.ppo_mini_batch_size=7 must divide data.train_batch_size=32"):
         load_config(overrides=["actor.ppo_mini_batch_size=7"])
 
 
 def test_gae_without_critic_is_a_conflict():
     with pytest.raises(ConfigError, match=r"adv_estimator=gae needs values, but critic.enable=false"):
-        load_config(overrides=["critic.enable=false"])
+        load_config(overrides=["algorithm.adv_estimator=gae", "critic.enable=false"])
 
 
 def test_kl_in_reward_and_loss_together_is_a_conflict():
@@ -119,7 +119,14 @@ def test_batch_plan_for_grpo_on_two_ranks():
 
 
 def test_batch_plan_rejects_a_micro_batch_that_does_not_divide_the_rank_share():
-    config = load_config(overrides=["data.train_batch_size=12", "actor.ppo_micro_batch_size_per_device=4"])
+    config = load_config(
+        overrides=[
+            "data.train_batch_size=12",
+            "rollout.n=1",
+            "actor.ppo_mini_batch_size=12",
+            "actor.ppo_micro_batch_size_per_device=4",
+        ]
+    )
     with pytest.raises(BatchError, match=r"ppo_micro_batch_size_per_device=4 must divide the 6 sequences"):
         derive_batch_plan(config, world_size=2)
 

@@ -39,6 +39,9 @@ def run_overrides(tiny_model_dir: Path, task_files: dict[str, Path], runs: Path)
         f"data.val_files=[{task_files['val']}]",
         "data.train_batch_size=8",
         "data.max_response_length=8",
+        "algorithm.adv_estimator=gae",
+        "rollout.n=1",
+        "actor.ppo_mini_batch_size=null",
         "trainer.total_steps=3",
         "trainer.test_freq=3",
         "trainer.logger=[jsonl]",
@@ -77,7 +80,7 @@ def test_the_loop_names_the_run_for_the_trackers(finished_run):
     assert [e.step for e in events.Scalars("critic/score/mean")] == [1, 2, 3]
     client = MlflowClient(tracking_uri=(finished_run / "mlruns").as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("ketch").experiment_id])
-    assert run.info.run_name == "arithmetic-ppo" and run.info.status == "FINISHED"
+    assert run.info.run_name == "arithmetic-grpo" and run.info.status == "FINISHED"
     assert run.data.params["trainer.total_steps"] == "3" and run.data.params["rollout.val.n"] == "2"
     assert run.data.metrics["val/ketch/arithmetic/maj_2"] >= 0.0
 

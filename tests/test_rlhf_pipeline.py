@@ -10,6 +10,7 @@ import pytest
 
 from ketch.config import load_config
 from ketch.tracking import read_metrics
+from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.rm import RMTrainer
 from ketch.trainer.sft import SFTTrainer
@@ -25,7 +26,8 @@ def step_config(step: str, command: str, runs: Path, *overrides: str):
 
 @pytest.mark.slow
 def test_ppo_with_a_reward_model_alone_raises_the_rule_based_accuracy(tmp_path):
-    SFTTrainer(step_config("sft", "sft", tmp_path)).fit()
+    sft_config = step_config("sft", "sft", tmp_path)
+    SFTTrainer(sft_config, resolve_model_path(sft_config)).fit()
     sft_model = tmp_path / "rlhf-sft" / "model"
     rm_metrics = RMTrainer(step_config("rm", "rm", tmp_path, f"model.path={sft_model}")).fit()
     # Measured: 0.910 (format and far misses are learned; near misses stay hard for a tiny model).

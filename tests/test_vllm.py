@@ -144,6 +144,12 @@ def test_ppo_with_vllm_rollouts_raises_accuracy_on_the_builtin_task(tmp_path):
     config = load_config(
         overrides=[
             "rollout.name=vllm",
+            "algorithm.adv_estimator=gae",
+            "rollout.n=1",
+            "data.train_batch_size=128",
+            "actor.ppo_mini_batch_size=null",
+            "data.max_response_length=16",
+            "actor.optim.lr=2e-4",
             "trainer.total_steps=100",
             "trainer.test_freq=100",
             "trainer.device=cpu",

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset
 
 from ketch.config.schema import DataConfig
 from ketch.data.batching import PackedSequences, encode, pad, pad_token_id
-from ketch.data.builtin.arithmetic import resolve_data_files
+from ketch.data.builtin.files import resolve_data_files
 from ketch.data.chat_templates import format_prompt, get_chat_template, to_messages
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files

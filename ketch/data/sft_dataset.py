@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 
 from ketch.config.schema import DataConfig
 from ketch.data.batching import PackedSequences, encode, pad, pad_token_id, position_ids
-from ketch.data.builtin.arithmetic import resolve_data_files
+from ketch.data.builtin.files import resolve_data_files
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit

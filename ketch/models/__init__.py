@@ -8,6 +8,7 @@ from ketch.models.loader import (
     load_model_config,
     load_reward_model,
     load_tokenizer,
+    local_or_hub,
     quiet_transformers,
     resolve_dtype,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "load_model_config",
     "load_reward_model",
     "load_tokenizer",
+    "local_or_hub",
     "quiet_transformers",
     "resolve_dtype",
     "save_tiny_model",

@@ -197,3 +197,9 @@ def _check_path(path: str, what: str) -> None:
     looks_local = path.startswith((".", "/", "~")) or Path(path).exists()
     if looks_local and not Path(path).expanduser().is_dir():
         raise ModelLoadError(f"{what} path {path!r} is not a directory; check model.path (or model.tokenizer_path)")
+
+
+def local_or_hub(path: str) -> str:
+    """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path

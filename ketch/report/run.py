@@ -39,7 +39,7 @@ class RunRecord:
         if not path.is_file():
             raise ReportError(
                 f"{run_dir} has no metrics.jsonl, so it is not a ketch run directory; give the directory of a run: "
-                "trainer.default_local_dir/trainer.experiment_name (e.g. runs/arithmetic-ppo)"
+                "trainer.default_local_dir/trainer.experiment_name (e.g. runs/arithmetic-grpo)"
             )
         records = read_records(path)
         by_step = {r["step"]: r for r in records if "event" not in r and "step" in r}

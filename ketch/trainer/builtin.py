@@ -23,8 +23,9 @@ from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
 from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, CalculatorTask
 from ketch.data.builtin.calculator import DATA_SOURCE as CALCULATOR_SOURCE
-from ketch.models import save_tiny_model, tiny_qwen2_config
+from ketch.models import local_or_hub, save_tiny_model, tiny_qwen2_config
 from ketch.models.gguf import cached_gguf_model, is_gguf
+from ketch.trainer.sft import SFTTrainer
 
 logger = logging.getLogger("ketch")
 
@@ -103,12 +104,6 @@ def resolve_model_path(config: KetchConfig) -> str:
     return str(target)
 
 
-def local_or_hub(path: str) -> str:
-    """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
-    local = Path(path).expanduser()
-    return str(local.resolve()) if local.exists() else path
-
-
 def _settings_hash(warmup: Warmup) -> str:
     tokenizer = build_char_tokenizer()
     model = tiny_qwen2_config(tokenizer)
@@ -122,8 +117,6 @@ def _settings_hash(warmup: Warmup) -> str:
 
 
 def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
-    from ketch.trainer.sft import SFTTrainer
-
     logger.info("warming up the built-in tiny model with a short SFT (once; cached in %s)", target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".warmup-") as tmp:

@@ -12,12 +12,11 @@ from ketch.config.parallel import check_megatron_start, megatron_roles
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
-from ketch.models import load_model_config, load_tokenizer
+from ketch.models import load_model_config, load_tokenizer, local_or_hub
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.tracking import Tracker, info
-from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
 from ketch.trainer.run_dir import removed_if_start_fails
@@ -29,13 +28,21 @@ class SFTTrainer:
     the result as a Hugging Face directory `<run dir>/model`.
 
     Validation every `trainer.test_freq` steps reports `val/loss` and, when the validation rows carry a
-    ground truth (`answer` or `reward_model.ground_truth`), the greedy accuracy `val/<data_source>/acc`."""
+    ground truth (`answer` or `reward_model.ground_truth`), the greedy accuracy `val/<data_source>/acc`.
 
-    def __init__(self, config: KetchConfig):
+    `model_path` is `model.path` resolved; the built-in model is resolved by `ketch.trainer.builtin.resolve_model_path`
+    (which warms it up with this trainer), so it must be given for `model.path=builtin:tiny-arithmetic`."""
+
+    def __init__(self, config: KetchConfig, model_path: str | None = None):
         self.config = c = config
         preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
-        self.model_path = resolve_model_path(c)
+        if model_path is None and c.model.path.startswith("builtin:"):
+            raise ValueError(
+                f"SFTTrainer: model.path={c.model.path} must be resolved first; pass "
+                "model_path=ketch.trainer.builtin.resolve_model_path(config) (as `ketch sft` does)"
+            )
+        self.model_path = model_path or local_or_hub(c.model.path)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)
         check_megatron_start(c, model_config, torch.cuda.is_available())
         if megatron_roles(c):

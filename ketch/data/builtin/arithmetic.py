@@ -1,7 +1,6 @@
 """The built-in arithmetic task: addition and subtraction problems such as `347+58=` -> `#### 405`.
 
-`resolve_data_files` turns the entries `builtin:arithmetic/train` and `builtin:arithmetic/val` into
-Parquet files generated once into the user cache.
+`builtin_task_files` generates the Parquet files of `builtin:arithmetic/{train,val}` once into the user cache.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from ketch.cache import cache_dir
-from ketch.config.schema import BUILTIN_PREFERENCE_TASK, BUILTIN_TASK
 from ketch.data.parquet import write_rows_atomic
 
 DATA_SOURCE = "ketch/arithmetic"
@@ -127,35 +125,3 @@ def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
     if all(path.exists() for path in paths.values()):
         return paths
     return write_arithmetic_task(out, task)
-
-
-def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
-    """`files` with `builtin:arithmetic/{train,val}`, `builtin:arithmetic-preference/{sft,train,val}` and
-    `builtin:calculator/{train,val}` replaced by cached Parquet paths.
-
-    Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
-    """
-    from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, builtin_calculator_files
-    from ketch.data.builtin.preference import (  # built on this module
-        PREFERENCE_SPLITS,
-        PreferenceTask,
-        builtin_preference_files,
-    )
-
-    splits = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS, BUILTIN_CALCULATOR_TASK: SPLITS}
-    resolved = []
-    for entry in files:
-        if not entry.startswith("builtin:"):
-            resolved.append(entry)
-            continue
-        name, _, split = entry.rpartition("/")
-        if split not in splits.get(name, ()):
-            choices = ", ".join(f"{n}/{s}" for n, names in splits.items() for s in names)
-            raise ValueError(f"unknown built-in data set {entry!r} in the data files; the built-in ones are: {choices}")
-        if name == BUILTIN_CALCULATOR_TASK:
-            resolved.append(str(builtin_calculator_files()[split]))
-        elif name == BUILTIN_TASK:
-            resolved.append(str(builtin_task_files(task or ArithmeticTask())[split]))
-        else:
-            resolved.append(str(builtin_preference_files(PreferenceTask(task or ArithmeticTask()))[split]))
-    return resolved

@@ -1,0 +1,82 @@
+"""Time `ketch train` with no arguments (what `make run` runs), warm-up included, and record its learning curve.
+
+    PYTHONPATH=. python3 benchmarks/default_run.py --empty-cache --out benchmarks/results/x.json [overrides ...]
+
+With `--empty-cache` the built-in data and the warmed-up model are built afresh in a temporary cache, as on a
+fresh clone. Prints and writes: wall and CPU seconds of the warm-up and of the RL run, the median seconds of
+each step stage, the validation accuracy at every validation, torch's thread count and the machine's load
+average (the figures are only comparable on an otherwise idle machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ketch.config import load_config
+from ketch.tracking import read_metrics
+from ketch.trainer import builtin
+from ketch.trainer.ppo import PPOTrainer
+
+ACC = "val/ketch/arithmetic/acc"
+
+
+def timed(fn, *args):
+    """(result, wall seconds, CPU seconds of this process) of `fn(*args)`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn(*args)
+    return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def median(records: list[dict], key: str) -> float:
+    """Median of `key` over the records that have it (validation times only come with validated steps)."""
+    return round(statistics.median(r[key] for r in records if key in r), 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--empty-cache", action="store_true", help="build data and warm-up in a fresh cache")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for ketch train")
+    args = parser.parse_args()
+    runs = tempfile.mkdtemp(prefix="ketch-default-run-")
+    if args.empty_cache:
+        os.environ["KETCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="ketch-cache-")
+    start = time.perf_counter()
+    config = load_config(overrides=[f"trainer.default_local_dir={runs}", *args.overrides])
+    _, warmup_wall, warmup_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
+    trainer = PPOTrainer(config)
+    _, rl_wall, rl_cpu = timed(trainer.fit)
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    steps = [r for r in records if "timing_s/step" in r][1:]  # the first step includes one-off start-up work
+    stages = sorted({k for r in steps for k in r if k.startswith("timing_s/")})
+    result = {
+        "overrides": args.overrides,
+        "empty_cache": args.empty_cache,
+        "total_wall_s": round(time.perf_counter() - start, 1),
+        "warmup_wall_s": round(warmup_wall, 1),
+        "warmup_cpu_s": round(warmup_cpu, 1),
+        "rl_wall_s": round(rl_wall, 1),
+        "rl_cpu_s": round(rl_cpu, 1),
+        "median_stage_s": {k.removeprefix("timing_s/"): median(steps, k) for k in stages},
+        "val_acc": {r["step"]: round(r[ACC], 3) for r in records if ACC in r},
+        "torch_threads": torch.get_num_threads(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
