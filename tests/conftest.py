@@ -127,6 +127,7 @@ def smollm2_run(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             f"data.train_files=[{tmp / 'train.parquet'}]",
             f"data.val_files=[{tmp / 'val.parquet'}]",
             "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
             "data.max_prompt_length=48",
             "data.max_response_length=8",
             "rollout.n=2",

@@ -20,6 +20,7 @@ from ketch.config.schema import (
     KetchConfig,
     KLControlConfig,
     MegatronConfig,
+    MultiTurnConfig,
     OptimConfig,
     OverlongBufferConfig,
     RefConfig,
@@ -77,6 +78,7 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
     },
     RefConfig: {"log_prob_micro_batch_size_per_device": COUNT},
     ValSamplingConfig: {"n": COUNT, "temperature": POSITIVE},
+    MultiTurnConfig: {"max_turns": COUNT, "tool_timeout": POSITIVE},
     RolloutConfig: {
         "n": COUNT,
         "temperature": (POSITIVE, "use rollout.do_sample=false for greedy decoding"),
@@ -214,11 +216,7 @@ def _sampling(c: KetchConfig) -> str | None:
 
 def _multi_turn(c: KetchConfig) -> str | None:
     m = c.rollout.multi_turn
-    if not m.enable:
-        return None
-    if m.max_turns < 1 or m.tool_timeout <= 0:
-        return f"rollout.multi_turn.max_turns={m.max_turns} must be >= 1 and tool_timeout={m.tool_timeout} > 0"
-    if not m.tools and not m.environment:
+    if m.enable and not m.tools and not m.environment:
         return "rollout.multi_turn.enable=true needs rollout.multi_turn.tools (names or .py files) or .environment"
     return None
 

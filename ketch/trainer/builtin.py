@@ -39,11 +39,12 @@ WARMUP_OVERRIDES = (
     "actor.optim.lr=0.002",
     "actor.optim.warmup_steps=20",
     "trainer.total_steps=1500",
-    "trainer.test_freq=50",
-    "trainer.log_interval=50",
+    "trainer.test_freq=25",
+    "trainer.log_interval=25",
     "trainer.seed=0",
 )
-"""The warm-up SFT run: it validates every 50 steps and stops once greedy accuracy reaches WARMUP_TARGET."""
+"""The warm-up SFT run: it validates every 25 steps (accuracy climbs ~0.1 in 50) and stops once greedy accuracy
+reaches WARMUP_TARGET."""
 
 WARMUP_TARGET = 0.2
 """Validation accuracy at which the warm-up stops: partly correct, so that PPO has room to improve it."""

@@ -16,6 +16,7 @@ def test_builtin_data_sources_are_known():
         "HuggingFaceH4/MATH-500",
         "gsm8k",
         "ketch/arithmetic",
+        "ketch/calculator",
         "lighteval/MATH",
         "math",
         "openai/gsm8k",
