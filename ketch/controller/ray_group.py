@@ -30,6 +30,10 @@ STARTUP_TIMEOUT = 600.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+DEAD_PEER_GRACE_S = 5.0
+"""How long a failed call waits for its peers, so that a rank's death is reported rather than the errors it caused."""
+
+
 class RayClassWithInitArgs:
     """A worker class and the arguments to build it with, on every rank."""
 
@@ -172,8 +176,29 @@ class RayWorkerGroup:
                     f"{method} did not return within {timeout}s (trainer.worker_timeout; ranks still running: {ranks})",
                 )
             rank = pending.pop(ready[0])
-            results[rank] = self._result(ready[0], role, rank, method)
+            try:
+                results[rank] = self._result(ready[0], role, rank, method)
+            except WorkerDiedError:
+                raise
+            except WorkerError:
+                died = self._dead_peer(role, method, pending)
+                if died is None:
+                    raise
+                raise died from died.__cause__
         return results
+
+    def _dead_peer(self, role: str, method: str, pending: dict[Any, int]) -> WorkerDiedError | None:
+        """The death of a rank still `pending`, if one died: a peer killed mid-collective makes the others raise
+        first (a reset connection), but the death is the cause to report and recover from."""
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=DEAD_PEER_GRACE_S) if pending else ([], [])
+        for ref in ready:
+            try:
+                self._result(ref, role, pending[ref], method)
+            except WorkerDiedError as died:
+                return died
+            except WorkerError:
+                continue
+        return None
 
     def _result(self, ref, role: str, rank: int, method: str) -> Any:
         try:
