@@ -18,7 +18,6 @@ from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
-from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype, stop_token_ids
@@ -29,6 +28,7 @@ from ketch.workers.common import (
     DeviceMemory,
     mean_over_steps,
     mini_batches,
+    role_dispatch_rank,
     setup_process,
     shuffle_seed,
     token_share,
@@ -87,13 +87,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         self.ref = MegatronEngine(*args, dtype=self.dtype, seed=c.trainer.seed) if c.use_reference else None
 
     def dispatch_rank(self) -> tuple[int, bool]:
-        """With `actor.strategy=megatron`, tensor/pipeline peers share a data-parallel rank (see `RankGrid`)."""
-        m = self.config.actor.megatron
-        if self.config.actor.strategy != "megatron":
-            return super().dispatch_rank()
-        return RankGrid(
-            self.rank, self.world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-        ).dispatch_rank()
+        return role_dispatch_rank(self.rank, self.world_size, self.config.actor)
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self.config.model

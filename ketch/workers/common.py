@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,8 +13,12 @@ import torch
 from ketch.config.batch import UpdatePlan
 from ketch.controller import ONE_TO_ALL, register
 from ketch.engine.distributed import init_process_group, resolve_device
+from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
 from ketch.protocol import DataProto
+
+if TYPE_CHECKING:
+    from ketch.config.schema import ActorConfig, CriticConfig
 
 
 def setup_process(device_name: str, seed: int) -> torch.device:
@@ -81,3 +86,12 @@ class DeviceMemory:
         if reset:
             torch.cuda.reset_peak_memory_stats()
         return peaks
+
+
+def role_dispatch_rank(rank: int, world_size: int, role: ActorConfig | CriticConfig) -> tuple[int, bool]:
+    """(data-parallel rank, whether this process returns its results) of a process of `role`: under
+    `strategy=megatron` tensor/pipeline peers share a data-parallel rank (see `RankGrid`), else each is its own."""
+    if role.strategy != "megatron":
+        return rank, True
+    m = role.megatron
+    return RankGrid(rank, world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size).dispatch_rank()

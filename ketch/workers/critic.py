@@ -15,7 +15,6 @@ from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
-from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_critic
 from ketch.protocol import DataProto
@@ -23,6 +22,7 @@ from ketch.workers.common import (
     DeviceMemory,
     mean_over_steps,
     mini_batches,
+    role_dispatch_rank,
     setup_process,
     shuffle_seed,
     token_share,
@@ -68,13 +68,7 @@ class CriticWorker(DeviceMemory, Worker):
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:
-        """With `critic.strategy=megatron`, tensor/pipeline peers share a data-parallel rank (see `RankGrid`)."""
-        m = self.config.critic.megatron
-        if self.config.critic.strategy != "megatron":
-            return super().dispatch_rank()
-        return RankGrid(
-            self.rank, self.world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size
-        ).dispatch_rank()
+        return role_dispatch_rank(self.rank, self.world_size, self.config.critic)
 
     @register(DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
