@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+
+from ketch.user_code import UserFileImportError, import_user_file
 
 SIGNATURE = "fn(data_source, solution_str, ground_truth, extra_info) -> float | dict"
 
@@ -46,21 +45,15 @@ def load_reward_function(spec: str) -> Callable:
 
 def _import_file(path: Path, spec: str) -> ModuleType:
     """Execute `path` as a fresh module registered in sys.modules under a name unique to the path."""
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    module_name = f"ketch_reward_function_{path.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(f"reward.function={spec!r}: {path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
     try:
-        module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        del sys.modules[module_name]
+        return import_user_file(path, "ketch_reward_function")
+    except UserFileImportError as err:
+        if err.cause is None:
+            message = f"reward.function={spec!r}: {path} cannot be imported as a Python module"
+            raise RewardFunctionError(message) from err
         raise RewardFunctionError(
-            f"reward.function={spec!r}: importing {path} failed with {type(exc).__name__}: {exc}"
-        ) from exc
-    return module
+            f"reward.function={spec!r}: importing {path} failed with {type(err.cause).__name__}: {err.cause}"
+        ) from err.cause
 
 
 def _check_arguments(fn: Callable, name: str, spec: str) -> None:

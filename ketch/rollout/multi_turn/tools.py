@@ -8,17 +8,16 @@ every public function defined in it.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import re
-import sys
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ketch.user_code import UserFileImportError, import_user_file
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -111,23 +110,14 @@ def load_tools_file(path_text: str) -> list[Tool]:
 
 
 def _import_file(path: Path) -> types.ModuleType:
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    module_name = f"ketch_tools_{path.stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ToolError(f"rollout.multi_turn.tools: {path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:
-        del sys.modules[module_name]
+        return import_user_file(path, "ketch_tools", reuse=True)
+    except UserFileImportError as err:
+        if err.cause is None:
+            raise ToolError(f"rollout.multi_turn.tools: {path} cannot be imported as a Python module") from err
         raise ToolError(
-            f"rollout.multi_turn.tools: importing the tools file {path} failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    return module
+            f"rollout.multi_turn.tools: importing the tools file {path} failed: {type(err.cause).__name__}: {err.cause}"
+        ) from err.cause
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
