@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
+from ketch.cache import cache_dir
 from ketch.data.errors import DatasetError
 
 _PANDAS_INDEX_PREFIX = "__index_level_"
@@ -119,3 +120,14 @@ def write_rows_atomic(rows: list[dict[str, Any]], path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def cached_splits(name: str, splits: tuple[str, ...], generate: Callable[[], dict[str, list[dict]]]) -> dict[str, Path]:
+    """The Parquet files `<cache>/data/<name>/<split>.parquet` by split, written from `generate()` on first use."""
+    out = cache_dir() / "data" / name
+    paths = {split: out / f"{split}.parquet" for split in splits}
+    if not all(path.exists() for path in paths.values()):
+        out.mkdir(parents=True, exist_ok=True)
+        for split, rows in generate().items():
+            write_rows_atomic(rows, paths[split])
+    return paths

@@ -13,8 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ketch.cache import cache_dir
-from ketch.data.parquet import write_rows_atomic
+from ketch.data.parquet import cached_splits, write_rows_atomic
 
 DATA_SOURCE = "ketch/arithmetic"
 SPLITS = ("train", "val")
@@ -120,8 +119,4 @@ def write_arithmetic_task(out_dir: str | Path, task: ArithmeticTask) -> dict[str
 
 def builtin_task_files(task: ArithmeticTask) -> dict[str, Path]:
     """The cached Parquet files of `task` by split, generated on first use."""
-    out = cache_dir() / "data" / f"arithmetic-{task.settings_hash()}"
-    paths = {split: out / f"{split}.parquet" for split in SPLITS}
-    if all(path.exists() for path in paths.values()):
-        return paths
-    return write_arithmetic_task(out, task)
+    return cached_splits(f"arithmetic-{task.settings_hash()}", SPLITS, lambda: generate_arithmetic_task(task))

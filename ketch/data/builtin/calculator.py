@@ -14,8 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ketch.cache import cache_dir
-from ketch.data.parquet import write_rows_atomic
+from ketch.data.parquet import cached_splits
 
 BUILTIN_CALCULATOR_TASK = "builtin:calculator"
 DATA_SOURCE = "ketch/calculator"
@@ -67,10 +66,4 @@ def generate_calculator_task(task: CalculatorTask, eos_token: str = "<eos>") -> 
 def builtin_calculator_files(task: CalculatorTask | None = None) -> dict[str, Path]:
     """The cached Parquet files of `task` by split, generated on first use."""
     task = task or CalculatorTask()
-    out = cache_dir() / "data" / f"calculator-{task.settings_hash()}"
-    paths = {split: out / f"{split}.parquet" for split in SPLITS}
-    if not all(path.exists() for path in paths.values()):
-        out.mkdir(parents=True, exist_ok=True)
-        for split, rows in generate_calculator_task(task).items():
-            write_rows_atomic(rows, paths[split])
-    return paths
+    return cached_splits(f"calculator-{task.settings_hash()}", SPLITS, lambda: generate_calculator_task(task))

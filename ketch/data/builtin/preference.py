@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ketch.cache import cache_dir
-from ketch.data.builtin.arithmetic import SPLITS, ArithmeticTask, generate_arithmetic_task, write_rows_atomic
+from ketch.data.builtin.arithmetic import SPLITS, ArithmeticTask, generate_arithmetic_task
+from ketch.data.parquet import cached_splits
 
 PREFERENCE_SPLITS = ("sft", *SPLITS)
 """The splits of `builtin:arithmetic-preference`: demonstrations, then training and validation pairs."""
@@ -115,10 +115,5 @@ def preference_pair(rng: random.Random, problem: dict[str, Any], task: Preferenc
 
 def builtin_preference_files(task: PreferenceTask) -> dict[str, Path]:
     """The cached Parquet files of `task` by split, generated on first use."""
-    out = cache_dir() / "data" / f"arithmetic-preference-{task.settings_hash()}"
-    paths = {split: out / f"{split}.parquet" for split in PREFERENCE_SPLITS}
-    if not all(path.exists() for path in paths.values()):
-        out.mkdir(parents=True, exist_ok=True)
-        for split, rows in generate_preference_task(task).items():
-            write_rows_atomic(rows, paths[split])
-    return paths
+    name = f"arithmetic-preference-{task.settings_hash()}"
+    return cached_splits(name, PREFERENCE_SPLITS, lambda: generate_preference_task(task))
