@@ -35,12 +35,26 @@ def test_split_sizes():
     assert (len(splits["train"]), len(splits["val"])) == (200, 20)
 
 
-def test_no_problem_repeats_within_or_across_splits():
+def test_validation_problems_are_distinct_and_never_trained_on():
     splits = generate_arithmetic_task(SMALL)
-    train, val = _problems(splits["train"]), _problems(splits["val"])
-    assert len(train) == 200
-    assert len(val) == 20
-    assert not train & val
+    assert len(_problems(splits["val"])) == 20
+    assert not _problems(splits["train"]) & _problems(splits["val"])
+
+
+def _one_digit_sums(rows) -> int:
+    return sum(re.fullmatch(r"\d\+\d=", row["prompt"]) is not None for row in rows)
+
+
+def test_training_problems_are_drawn_like_the_validation_problems():
+    # Digit counts are uniform in {1, 2}, so a quarter of all draws are sums of two one-digit numbers, of which
+    # there are only 100. The k of them in validation are left out of training, whose draws may repeat the rest:
+    # a share of 0.25 * (100 - k) / 100 / (1 - 0.25 * k / 100) of the training problems. Drawn distinct, the
+    # 8000 training problems could hold at most the 100 - k left: under 1.3%.
+    splits = generate_arithmetic_task(ArithmeticTask(num_train=8000, num_val=400))
+    k = _one_digit_sums(splits["val"])
+    assert k == 70
+    expected = 0.25 * (100 - k) / 100 / (1 - 0.25 * k / 100)  # 0.0909
+    assert abs(_one_digit_sums(splits["train"]) / 8000 - expected) < 0.01
 
 
 def test_same_seed_gives_same_rows():
@@ -89,8 +103,8 @@ def test_unknown_operator_is_rejected():
 
 
 def test_more_problems_than_the_settings_allow_is_rejected():
-    with pytest.raises(ValueError, match="asks for 150 distinct problems but its settings allow 200"):
-        ArithmeticTask(max_digits=1, ops=("+", "-"), num_train=100, num_val=50)
+    with pytest.raises(ValueError, match="asks for 150 distinct validation problems but its settings allow 200"):
+        ArithmeticTask(max_digits=1, ops=("+", "-"), num_train=100, num_val=150)
 
 
 def test_write_arithmetic_task_writes_both_splits(tmp_path: Path):

@@ -33,7 +33,7 @@ from ketch.data.parquet import cached_splits
 PREFERENCE_SPLITS = ("sft", *SPLITS)
 """The splits of `builtin:arithmetic-preference`: demonstrations, then training and validation pairs."""
 
-_FORMAT_VERSION = 3  # bump when the rows written for the same settings change, to regenerate cached files
+_FORMAT_VERSION = 4  # bump when the rows written for the same settings change, to regenerate cached files
 
 
 @dataclass(frozen=True)
