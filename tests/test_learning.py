@@ -1,7 +1,10 @@
 """Learning test: `ketch train` with no arguments improves the built-in task quickly (slow: the warm-up of the
-built-in model, shared with the other tests of the session, then about 25 s of training on 2 CPU cores)."""
+built-in model, shared with the other tests of the session, then about 30 s of training on 2 CPU cores)."""
 
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 
@@ -12,12 +15,21 @@ from ketch.trainer.ppo import PPOTrainer
 ACC = "val/ketch/arithmetic/acc"
 
 
+def one_digit_sum_accuracy(samples_file, step: int) -> float:
+    """Greedy accuracy at validation `step` on the validation prompts adding two one-digit numbers (48 of 256)."""
+    rows = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    scores = [r["score"] for r in rows if r["step"] == step and re.fullmatch(r"\d\+\d=", r["prompt"])]
+    assert len(scores) == 48
+    return sum(scores) / len(scores)
+
+
 @pytest.mark.slow
 def test_the_default_run_raises_validation_accuracy_within_25_steps(tmp_path):
     config = load_config(
         overrides=[
             "trainer.total_steps=25",
             "trainer.test_freq=25",
+            "trainer.val_samples_to_log=256",
             "trainer.seed=1",
             "trainer.device=cpu",
             "trainer.logger=[jsonl]",
@@ -28,9 +40,12 @@ def test_the_default_run_raises_validation_accuracy_within_25_steps(tmp_path):
     trainer.fit()
     records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if ACC in r]
     first, last = records[0][ACC], records[-1][ACC]
-    # The warm-up stops at the first validation at or above 0.2 (measured: 0.211), leaving RL the rest.
+    # The warm-up stops at the first validation at or above 0.2 (measured: 0.215), leaving RL the rest.
     assert 0.2 <= first <= 0.25
-    # Measured with seed 1 on 2 CPU cores: the defaults (GRPO, 32 prompts x 8 samples in four mini-batches)
-    # reach 0.352 after 25 steps; the former defaults (PPO with a critic, 128 prompts x 1 sample, one update
-    # per step) reached 0.301, and GRPO with one update per step 0.293.
-    assert last >= 0.33, f"validation accuracy went from {first:.3f} to {last:.3f} in 25 steps"
+    # Measured with seed 1 on 2 CPU cores: 0.215 -> 0.301 after 25 steps (0.426 after 100).
+    assert last >= first + 0.06, f"validation accuracy went from {first:.3f} to {last:.3f} in 25 steps"
+    # The one-digit sums, 19% of the validation problems, were 1% of the training problems before the training
+    # problems were drawn like the validation ones: the former defaults never learned them (3 of 48 right before
+    # RL, 2 of 48 after 100 steps). Measured: 13 of 48 before RL, 24 of 48 after 25 steps.
+    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 0) >= 0.2
+    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 25) >= 0.4
