@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from ketch.config.loader import ConfigError
+from ketch.config.schema import FilterGroupsConfig
 from ketch.protocol import DataProto
 from ketch.tracking import read_metrics
-from ketch.trainer.dynamic_sampling import DynamicSamplingError, metric_values
+from ketch.trainer.dynamic_sampling import DynamicSamplingError, fill_with_informative_groups, metric_values
 from ketch.trainer.ppo import PPOTrainer
 
 # Prompts with an even answer score 0 whatever the response (an all-equal group); the others score the parity
@@ -127,3 +128,33 @@ def test_overlong_penalty_lands_on_the_last_response_token(tiny_config, tmp_path
     torch.testing.assert_close(batch.batch["token_level_scores"], expected)
     assert metrics["reward/overlong_penalty/mean"] == pytest.approx(-0.5)
     assert metrics["reward/overlong_fraction"] == pytest.approx(2 / 3)
+
+
+def _round(prompts: list[list[int]], scores: list[float]) -> DataProto:
+    """One scored round of two samples per prompt: prompt ids [rows, width], one response token each."""
+    ids = torch.tensor([p for p in prompts for _ in range(2)])
+    rows, width = ids.shape
+    return DataProto(
+        {
+            "prompts": ids,
+            "input_ids": torch.cat([ids, torch.full((rows, 1), 7)], dim=1),
+            "attention_mask": torch.ones(rows, width + 1, dtype=torch.long),
+            "position_ids": torch.arange(width + 1).expand(rows, -1),
+            "token_level_scores": torch.tensor(scores).unsqueeze(1),
+        },
+        {"uid": np.array([f"{width}-{i // 2}" for i in range(rows)], dtype=object)},
+    )
+
+
+def test_rounds_with_prompts_of_other_widths_are_left_padded_to_the_widest():
+    # Round 1 (prompts 2 wide): group 0 informative (scores 0, 1), group 1 not (1, 1). Round 2 (3 wide): group 0
+    # informative. The batch of 2 groups holds round 1's group 0, padded by one pad id (9) on the left, then round 2's.
+    rounds = iter([_round([[5, 6, 8]], [1.0, 0.0])])
+    first = _round([[3, 4], [1, 2]], [0.0, 1.0, 1.0, 1.0])
+    batch, _ = fill_with_informative_groups(
+        first, lambda prompts: (prompts, {}), lambda: next(rounds), FilterGroupsConfig(enable=True), 2, 2, 9
+    )
+    assert batch.batch["prompts"].tolist() == [[9, 3, 4], [9, 3, 4], [5, 6, 8], [5, 6, 8]]
+    assert batch.batch["input_ids"].tolist() == [[9, 3, 4, 7], [9, 3, 4, 7], [5, 6, 8, 7], [5, 6, 8, 7]]
+    assert batch.batch["attention_mask"].tolist() == [[0, 1, 1, 1]] * 2 + [[1, 1, 1, 1]] * 2
+    assert batch.batch["position_ids"].tolist() == [[0, 0, 1, 2]] * 2 + [[0, 1, 2, 3]] * 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from ketch.algorithms import informative_groups
 from ketch.config.schema import FilterGroupsConfig
@@ -46,6 +47,7 @@ def fill_with_informative_groups(
     settings: FilterGroupsConfig,
     num_groups: int,
     n: int,
+    pad_token_id: int,
 ) -> tuple[DataProto, dict[str, float]]:
     """A batch of `num_groups` informative groups of `n` samples, and metrics.
 
@@ -69,7 +71,23 @@ def fill_with_informative_groups(
     metrics["dynamic_sampling/gen_rounds"] = float(len(round_metrics))
     metrics["dynamic_sampling/groups_generated"] = float(generated)
     metrics["dynamic_sampling/groups_informative"] = float(informative)
-    return DataProto.concat(kept)[: num_groups * n], metrics
+    return DataProto.concat(_same_prompt_width(kept, pad_token_id))[: num_groups * n], metrics
+
+
+PROMPT_SIDE = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
+"""Tensors that start with the left-padded prompt, and their padding value (None: the pad token)."""
+
+
+def _same_prompt_width(parts: list[DataProto], pad_token_id: int) -> list[DataProto]:
+    """Each round padded on the left to the widest round's prompts: a round pads its prompts to its own longest."""
+    width = max(part.batch["prompts"].shape[1] for part in parts)
+    for part in parts:
+        extra = width - part.batch["prompts"].shape[1]
+        for key, value in PROMPT_SIDE.items():
+            if extra and key in part.batch:
+                padding = pad_token_id if value is None else value
+                part.batch[key] = torch.nn.functional.pad(part.batch[key], (extra, 0), value=padding)
+    return parts
 
 
 def _not_filled(settings: FilterGroupsConfig, informative: int, generated: int, num_groups: int) -> str:

@@ -29,6 +29,7 @@ from ketch.config import KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
 from ketch.config.parallel import check_megatron_start, megatron_roles
 from ketch.data import RLHFDataset, resolve_data_files
+from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import load_model_config, load_tokenizer
@@ -139,6 +140,7 @@ class PPOTrainer(TrainingLoop):
             c.algorithm.filter_groups,
             c.data.train_batch_size,
             c.rollout.n,
+            pad_token_id(self.tokenizer),
         )
 
     def _expand(self, batch: DataProto) -> DataProto:
