@@ -12,9 +12,9 @@ Run the examples first, validating often, then summarise their run directories:
 For every validation it prints the step, the greedy validation accuracy and the training seconds so far (the
 sum of `timing_s/step`, so validation and start-up are not counted); with dynamic sampling also the mean
 number of generation rounds per step. With `--same-time-as METHOD` (runs named `<method>-s<seed>`), each run is
-read at the last validation within the training seconds that METHOD's run of the same seed took in all, and
-the accuracies are averaged over seeds: the same wall time, not the same steps. Start the runs of one seed
-together so that they share the machine's load.
+read at its last validation within the training seconds that METHOD's run of the same seed took in all (or
+within the time every run of that seed reached, if one stopped earlier), and the accuracies are averaged over
+seeds: the same wall time, not the same steps. Start the runs together so that they share the machine's load.
 """
 
 from __future__ import annotations
@@ -47,16 +47,18 @@ def at_budget(result: dict, seconds: float) -> dict:
 
 
 def same_time(results: list[dict], baseline: str) -> dict[str, dict]:
-    """Per method, the accuracy of each seed's run at the training seconds of `baseline`'s run of that seed,
-    and its mean and sample standard deviation over seeds."""
+    """Per method, the accuracy of each seed's run at the same training seconds, and its mean and sample standard
+    deviation over seeds. The budget of a seed is the training seconds of `baseline`'s run, or less when a run of
+    that seed stopped earlier (every run is read within the time all of them reached)."""
     runs = {tuple(r["run"].rsplit("-s", 1)): r for r in results}
+    budgets = {}
+    for method, seed in runs:
+        if (baseline, seed) in runs:
+            reached = runs[method, seed]["validations"][-1]["train_s"]
+            budgets[seed] = min(budgets.get(seed, runs[baseline, seed]["validations"][-1]["train_s"]), reached)
     summary = {}
     for method in sorted({m for m, _ in runs}):
-        points = {}
-        for seed in sorted(s for m, s in runs if m == method):
-            if (baseline, seed) in runs:
-                budget = runs[baseline, seed]["validations"][-1]["train_s"]
-                points[seed] = at_budget(runs[method, seed], budget) | {"budget_s": budget}
+        points = {s: at_budget(runs[method, s], b) | {"budget_s": b} for s, b in budgets.items() if (method, s) in runs}
         accs = [p["acc"] for p in points.values()]
         spread = float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0
         summary[method] = {"by_seed": points, "acc_mean": float(np.mean(accs)), "acc_std": spread}
