@@ -12,7 +12,7 @@ import torch
 from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
-from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
 from ketch.engine.engine import TrainEngine
 from ketch.engine.export import gather_hf_state, write_hf_directory
@@ -96,10 +96,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             fuse_kernels(lm, self.device)
         return lm
 
-    @register(DP_COMPUTE_PROTO)
+    @register(PROCESS_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sample responses for this rank's prompts (see `Rollout.generate` for the fields); the rollout
-        engine's memory is given back to training afterwards."""
+        """Sample responses for this process's prompts (see `Rollout.generate` for the fields); the rollout
+        engine's memory is given back to training afterwards. Every process holds a whole rollout model, so the
+        prompts are split over all processes: Megatron's tensor/pipeline peers each generate their own share
+        instead of the same one."""
         self.rollout.wake_up()
         out = self.rollout.generate(prompts).to("cpu")
         self.rollout.sleep()
