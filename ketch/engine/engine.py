@@ -33,16 +33,34 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def shard(module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Move `module` to `device` and apply FSDP2: each transformer block, then the root."""
+    """Move `module` to `device` and apply FSDP2: each transformer block, then the root. In a world of one
+    process the blocks keep their gathered (cast) parameters from the forward to the backward pass: there is
+    nothing to save by freeing them, and gathering them again would cost a copy per block."""
     module.to(device)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": policy} if policy else {}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        kwargs["reshard_after_forward"] = False
     block_names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
     for sub in module.modules():
         if type(sub).__name__ in block_names:
             fully_shard(sub, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most `max_norm` (as `clip_grad_norm_`); returns
+    the norm before clipping. Works on each rank's local shards (`DTensor.to_local`) with one fused norm and
+    one all-reduce of the squared norms, instead of a DTensor operation per parameter."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+    norm = all_reduce_sum(squares).sqrt()
+    if math.isfinite(max_norm):
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm
 
 
 def _hf_model(module: nn.Module) -> nn.Module:
@@ -116,11 +134,7 @@ class TrainEngine:
         return dict(zip(totals, summed, strict=True)) | self._step()
 
     def _step(self) -> dict[str, float]:
-        clip = self.optim_config.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = grad_norm.item()
+        grad_norm = clip_grad_norm(self.module.parameters(), self.optim_config.grad_clip or math.inf).item()
         lr = self.scheduler.get_last_lr()[0]
         if not math.isfinite(grad_norm):
             logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
