@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ketch.cache import use_compile_cache
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.micro import split_micro_batches
@@ -41,12 +42,39 @@ def shard(module: nn.Module, device: torch.device, param_dtype: torch.dtype | No
     kwargs = {"mp_policy": policy} if policy else {}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         kwargs["reshard_after_forward"] = False
-    block_names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
-    for sub in module.modules():
-        if type(sub).__name__ in block_names:
-            fully_shard(sub, **kwargs)
+    for block in transformer_blocks(module):
+        fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (decoder layers) of the HF model inside `module`, by its `_no_split_modules`."""
+    names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
+    return [sub for sub in module.modules() if type(sub).__name__ in names]
+
+
+def compile_enabled(use_torch_compile: bool | None, device: torch.device) -> bool:
+    """`model.use_torch_compile`, where None means: on CUDA devices only."""
+    return device.type == "cuda" if use_torch_compile is None else use_torch_compile
+
+
+def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
+    """Compile each transformer block's forward (and with it, through AOTAutograd, its backward) with
+    torch.compile: the elementwise work around the matmuls (norms, rotary embeddings, activations, residual
+    adds, casts) becomes a few fused kernels. The blocks share one compiled graph (the same code with the
+    block's parameters as inputs); FSDP's hooks stay outside it, on the module call. Returns how many blocks."""
+    blocks = transformer_blocks(module)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=None)
+    if blocks:
+        logger.info(
+            "compiling the %d %s blocks of the training forward on first use (compiler cache %s)",
+            len(blocks),
+            type(blocks[0]).__name__,
+            use_compile_cache(),
+        )
+    return len(blocks)
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
@@ -78,9 +106,12 @@ class TrainEngine:
         total_steps: int = 1,
         param_dtype: torch.dtype | None = None,
         gradient_checkpointing: bool = False,
+        compile: bool = False,
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile:
+            compile_blocks(module)
         self.device = device
         self.module = shard(module, device, param_dtype)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1

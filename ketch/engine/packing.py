@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 from torch import nn
@@ -145,19 +144,24 @@ def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling: floa
     """Variable-length causal flash attention (torch >= 2.10); `[T, heads, head_dim]` in and out."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_parameters()
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "scale" in params:
+    kwargs = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMETERS else {"is_causal": True}
+    if "scale" in VARLEN_PARAMETERS:
         kwargs["scale"] = scaling
-    if "enable_gqa" in params:
+    if "enable_gqa" in VARLEN_PARAMETERS:
         kwargs["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
-@cache
 def _varlen_parameters() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10: no variable-length attention, packed forwards take the SDPA path
+        return frozenset()
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+VARLEN_PARAMETERS = _varlen_parameters()
+"""The keyword parameters of this torch's `varlen_attn` (they changed between releases); a constant, so that
+torch.compile traces the attention call without looking at signatures."""
