@@ -74,8 +74,9 @@ def use_grouped_decode_attention(model: nn.Module) -> None:
 class StaticDecoder:
     """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
 
-    def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None):
-        """`buckets` (default: when compiling) rounds batch shapes up so that few graphs are captured."""
+    def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None, backend: str = "inductor"):
+        """`buckets` (default: when compiling) rounds batch shapes up so that few graphs are captured; `backend`
+        is torch.compile's (inductor's CUDA graphs: `reduce-overhead`)."""
         self.model = model
         self.buckets = compile_step if buckets is None else buckets
         use_grouped_decode_attention(model)
@@ -85,7 +86,8 @@ class StaticDecoder:
         self.compiled = compile_step
         if compile_step:
             self.compile_cache = use_compile_cache()
-            self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            mode = {"mode": "reduce-overhead"} if backend == "inductor" else {"backend": backend}
+            self.step = torch.compile(self._step, fullgraph=True, dynamic=False, **mode)
 
     def _step(self, tokens, attention_mask, position_ids, cache_position, cache):
         out = self.model(
