@@ -116,6 +116,8 @@ def test_token_log_probs_without_entropy_differentiate_the_log_probs_only():
     # d/ds sum_i log softmax(s_i W^T)[y_i] = W[y_i] - sum_v p_iv W[v]
     p = (states @ weight.T).softmax(-1)
     torch.testing.assert_close(grad, weight[labels] - p @ weight, atol=1e-6, rtol=1e-5)
+    empty, _ = token_log_probs(states[:0], labels[:0], weight, None, 1.0, calc_entropy=False)
+    assert empty.shape == (0,) and empty.requires_grad  # a micro-batch without response tokens still backpropagates
 
 
 def test_compiled_blocks_give_the_eager_log_probs_entropy_and_gradients(tiny_model_dir):

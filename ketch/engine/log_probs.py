@@ -125,8 +125,8 @@ def token_log_probs(
     """Log-prob of `labels` `[tokens]` under `softmax(states @ weight.T + bias) / temperature` from hidden
     `states` `[tokens, hidden]` and the output projection `weight` `[vocab, hidden]`; and the entropy `[tokens]`
     when `calc_entropy` (else None). Both float32 (float64 for float64 inputs) and differentiable."""
-    if states.shape[0] == 0:
-        empty = states.new_zeros(0, dtype=torch.float32)
+    if states.shape[0] == 0:  # still part of the graph, so that a backward pass through it runs
+        empty = states.sum(-1).float()
         return empty, (empty if calc_entropy else None)
     log_prob, entropy = _TokenLogProbs.apply(states, labels, weight, bias, temperature, calc_entropy, chunk)
     return log_prob, entropy if calc_entropy else None

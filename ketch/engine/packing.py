@@ -119,7 +119,7 @@ def packed_attention(
             "padding-free packing does not support sliding-window attention; set model.use_remove_padding=false"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout:
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and VARLEN_PARAMETERS:
         out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
     else:
         out = _sdpa_per_sequence(q, k, v, cu_seq_lens_q.tolist(), scaling, dropout)
@@ -157,7 +157,7 @@ def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling: floa
 def _varlen_parameters() -> frozenset[str]:
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10: no variable-length attention, packed forwards take the SDPA path
+    except ImportError:  # torch < 2.10: no variable-length attention, packed forwards take SDPA per sequence
         return frozenset()
     return frozenset(inspect.signature(varlen_attn).parameters)
 
