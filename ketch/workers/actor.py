@@ -14,7 +14,7 @@ from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
-from ketch.engine.engine import TrainEngine
+from ketch.engine.engine import TrainEngine, compile_enabled
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
@@ -58,6 +58,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         else:
             mixed = self.dtype if self.dtype != torch.float32 else None
             packed = packing_enabled(c.model.use_remove_padding, self.device)
+            compile = compile_enabled(c.model.use_torch_compile, self.device)
             self.actor = TrainEngine(
                 PolicyModel(self._load(torch.float32), packed),
                 self.device,
@@ -65,9 +66,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                 self.total_updates,
                 param_dtype=mixed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
+                compile=compile,
             )
             self.ref = (
-                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device) if c.use_reference else None
+                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device, compile=compile)
+                if c.use_reference
+                else None
             )
             self.hf_config = self.actor.module.lm.config
         backend = build_rollout(c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank)
