@@ -121,8 +121,8 @@ def test_max_turns_and_the_length_budget_cut_trajectories():
 
 
 def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
-    """The SFT warm-up teaches exactly the token layout the turn loop produces: the call, EOS, the glue with
-    the tool's reply, the answer, EOS."""
+    """The SFT warm-up teaches exactly the token layout the turn loop produces (the call, EOS, the glue with
+    the tool's reply, the answer, EOS) with the loss where the rollout's response_mask is: never on the glue."""
     config = load_config(overrides=["data.max_prompt_length=32", "data.max_response_length=128"])
     val = builtin_calculator_files()["val"]
     demo = SFTDataset(str(val), build_char_tokenizer(), config.data)[0]
@@ -135,7 +135,11 @@ def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
     prompt_ids = b["prompts"][0][b["attention_mask"][0, :32].bool()].tolist()
     response_ids = b["responses"][0][b["attention_mask"][0, 32:].bool()].tolist()
     assert prompt_ids + response_ids == demo["input_ids"].tolist()
-    assert b["response_mask"][0].sum().item() == demo["loss_mask"].sum().item() - len(f"\ntool: {answer}\nassistant: ")
+    response_mask = b["response_mask"][0][: len(response_ids)].tolist()
+    assert demo["loss_mask"].tolist() == [0] * len(prompt_ids) + response_mask
+    # The call (77 characters and the expression) and EOS, the glue, the answer and EOS.
+    glue = len(f"\ntool: {answer}\nassistant: ")
+    assert response_mask == [1] * (78 + len(expression)) + [0] * glue + [1] * (len(f"#### {answer}") + 1)
 
 
 REWARD = """

@@ -22,7 +22,7 @@ from ketch.data.values import object_array
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout
 from ketch.rollout.multi_turn.environment import Environment
-from ketch.rollout.multi_turn.render import ChatRenderer
+from ketch.data.conversation import ChatRenderer
 
 TRAJECTORY_COLUMNS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "cut_by_max_turns")
 """Per-trajectory numbers the rollout returns as non-tensor columns (float64 `[batch]`), besides `messages`,
