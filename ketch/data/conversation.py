@@ -57,15 +57,20 @@ class ChatRenderer:
 
 
 def conversation_tokens(
-    renderer: ChatRenderer, messages: list[dict[str, Any]], stop_token: int, tools: list[dict] | None = None
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    stop_token: int,
+    stop: tuple[str, ...] = (),
+    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of the response part of a conversation, `messages` being what follows the prompt: each
-    assistant message is its content's tokens and `stop_token` (loss 1), each run of other messages (tool
-    results, user replies) the glue before the next assistant turn (loss 0). `messages` must begin and end with
-    an assistant message."""
+    assistant message is its content's tokens and `stop_token` (loss 1; no stop token where the content ends
+    with one of the `stop` strings, as a rollout's turn ends there), each run of other messages (tool results,
+    user replies) the glue before the next assistant turn (loss 0). `messages` must begin and end with an
+    assistant message."""
     roles = [m.get("role") for m in messages]
     if not messages or roles[0] != "assistant" or roles[-1] != "assistant":
-        raise ValueError(f"a multi-turn response must begin and end with an assistant message; its roles: {roles}")
+        raise ValueError(f"the response must begin and end with an assistant message; its roles: {roles}")
     ids: list[int] = []
     loss_mask: list[int] = []
     pending: list[dict[str, Any]] = []
@@ -74,8 +79,9 @@ def conversation_tokens(
             pending.append(message)
             continue
         if pending:
-            glue = renderer.glue_ids(pending, tools, stop_token)
+            glue = renderer.glue_ids(pending, tools, ids[-1])
             ids, loss_mask, pending = ids + glue, loss_mask + [0] * len(glue), []
-        turn = [*renderer.encode(message["content"]), stop_token]
+        content = message["content"]
+        turn = renderer.encode(content) + ([] if content.endswith(tuple(stop)) and stop else [stop_token])
         ids, loss_mask = ids + turn, loss_mask + [1] * len(turn)
     return ids, loss_mask

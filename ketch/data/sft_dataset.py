@@ -2,8 +2,9 @@
 
 Each sequence is prompt tokens + response tokens + EOS; the loss covers the response and the EOS. A response
 may also be a list of messages that continues the conversation (assistant turns, tool results, user replies):
-it is tokenized as a multi-turn rollout holds it (`conversation_tokens`), each assistant turn ending with EOS,
-and the loss covers the assistant turns only, never a tool result or the template around it.
+it is tokenized as a multi-turn rollout holds it (`conversation_tokens`), each assistant turn ending with EOS
+(or, given `turn_stop`, the end of a tool call), and the loss covers the assistant turns only, never a tool
+result or the template around it.
 A sequence longer than `max_prompt_length + max_response_length` is handled per `data.truncation`:
 `left` drops tokens from the start (the prompt side, keeping the response whole where it fits),
 `right` drops tokens from the end (the response's tail, then its EOS, is lost), `error` raises.
@@ -32,10 +33,13 @@ class SFTDataset(Dataset):
     """Prompt/response pairs of one split. Item `i` is a dict of 1-D tensors `[seq_len_i]` (unpadded):
     `input_ids`, `attention_mask` (ones), `loss_mask` (0 on the prompt, 1 on the response and EOS; for a
     message-list response 1 on the assistant turns only), and `index` (int: the row's position in the
-    concatenated files).
+    concatenated files). `turn_stop`: the strings after which a rollout's turn ends (`</tool_call>`), where an
+    assistant turn gets no EOS.
     """
 
-    def __init__(self, data_files: str | list[str], tokenizer: Any, config: DataConfig) -> None:
+    def __init__(
+        self, data_files: str | list[str], tokenizer: Any, config: DataConfig, turn_stop: tuple[str, ...] = ()
+    ) -> None:
         if tokenizer.eos_token_id is None:
             raise DatasetError("SFTDataset ends every response with EOS, but the tokenizer has no EOS token")
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
@@ -44,7 +48,7 @@ class SFTDataset(Dataset):
         rows = read_parquet_files(files, required=required)
         row_ids = first_rows(rows, config)
         prompts = encode(tokenizer, prompt_texts(rows, row_ids, tokenizer, config))
-        responses = _responses(rows, row_ids, tokenizer, config)
+        responses = _responses(rows, row_ids, tokenizer, config, turn_stop)
         sequences = [p + r for p, (r, _) in zip(prompts, responses, strict=True)]
         loss_masks = [[0] * len(p) + m for p, (_, m) in zip(prompts, responses, strict=True)]
         lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
@@ -91,7 +95,7 @@ def _truncate(sequence: list[int], limit: int, side: str) -> list[int]:
 
 
 def _responses(
-    rows: Rows, row_ids: np.ndarray, tokenizer: Any, config: DataConfig
+    rows: Rows, row_ids: np.ndarray, tokenizer: Any, config: DataConfig, turn_stop: tuple[str, ...]
 ) -> list[tuple[list[int], list[int]]]:
     """(ids, loss_mask) of each row's response: a string and EOS (all trained), or a message list (assistant
     turns trained); a cell that is neither names its file and row."""
@@ -113,7 +117,7 @@ def _responses(
             )
         try:
             renderer = renderer or ChatRenderer(tokenizer, config.chat_template)
-            responses.append(conversation_tokens(renderer, to_messages(column[row]), eos))
+            responses.append(conversation_tokens(renderer, to_messages(column[row]), eos, turn_stop))
         except ValueError as e:
             raise DatasetError(f"{where}: {e}") from None
     return responses
