@@ -24,10 +24,10 @@ class Rollout(ABC):
     to and including its first stop token), the concatenated `input_ids`/`attention_mask`/`position_ids`
     `[batch, prompt_len + response_len]`, and `rollout_log_probs` `[batch, response_len]` (the sampled
     tokens' log-probs at the sampling temperature). `meta_info` may override `do_sample` and
-    `temperature` for one call (validation decodes greedily), and may set `max_new_tokens` (at most
-    `data.max_response_length`) and `stop` (strings that end a response, such as the end of a tool call; a
-    backend may stop there early or decode on, and the caller cuts each response after its first stop
-    string), as the multi-turn loop does for each turn."""
+    `temperature` for one call (validation decodes greedily), and may give `max_new_tokens` (at most
+    `data.max_response_length`) and `stop` (strings that end a response, such as the end of a tool call), as
+    the multi-turn loop does for each turn: a backend stops there where it can, else decodes on, and the
+    caller cuts each response after its first stop string and to its budget."""
 
     @abstractmethod
     def generate(self, prompts: DataProto) -> DataProto: ...

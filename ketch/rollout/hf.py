@@ -55,15 +55,15 @@ class HFRollout(Rollout):
         return responses, self._log_probs(out.logits, responses, temperature)
 
     def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
-        """Decodes on past a stop string (the caller cuts there), to `max_new` tokens or a stop token."""
+        """Decodes `data.max_response_length` tokens or to a stop token, past `max_new` and any stop string (the
+        caller cuts there): one length keeps the compiled shapes few."""
         r = self.config
         sampling = Sampling(do_sample, temperature, r.top_p, r.top_k)
         stops = None if r.ignore_eos else self.stop_token_ids
         b = prompts.batch
-        responses, log_probs = self.decoder.generate(
-            b["input_ids"], b["attention_mask"], max_new, sampling, stops, self.pad_token_id
+        return self.decoder.generate(
+            b["input_ids"], b["attention_mask"], self.max_response_length, sampling, stops, self.pad_token_id
         )
-        return self._pad(responses), self._pad_float(log_probs)
 
     def _generation_config(
         self, do_sample: bool, temperature: float, max_new: int, stop: list[str]
