@@ -126,7 +126,10 @@ def test_missing_response_column_is_named(write_rows, tokenizer):
 
 def test_response_that_is_not_a_string_names_file_and_row(write_rows, tokenizer):
     path = write_rows([{"prompt": "1+2=", "response": "#### 3"}, {"prompt": "7=", "response": None}])
-    expected = f"{path}, row 1, column 'response' (data.response_key): the response must be a string or a list of messages, got NoneType"
+    expected = (
+        f"{path}, row 1, column 'response' (data.response_key): "
+        "the response must be a string or a list of messages, got NoneType"
+    )
     with pytest.raises(DatasetError, match=re.escape(expected)):
         SFTDataset(path, tokenizer, DataConfig())
 
