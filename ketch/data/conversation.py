@@ -61,7 +61,6 @@ def conversation_tokens(
     messages: list[dict[str, Any]],
     stop_token: int,
     stop: tuple[str, ...] = (),
-    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of the response part of a conversation, `messages` being what follows the prompt: each
     assistant message is its content's tokens and `stop_token` (loss 1; no stop token where the content ends
@@ -79,9 +78,9 @@ def conversation_tokens(
             pending.append(message)
             continue
         if pending:
-            glue = renderer.glue_ids(pending, tools, ids[-1])
+            glue = renderer.glue_ids(pending, None, ids[-1])
             ids, loss_mask, pending = ids + glue, loss_mask + [0] * len(glue), []
         content = message["content"]
-        turn = renderer.encode(content) + ([] if content.endswith(tuple(stop)) and stop else [stop_token])
+        turn = renderer.encode(content) + ([] if content.endswith(tuple(stop)) else [stop_token])
         ids, loss_mask = ids + turn, loss_mask + [1] * len(turn)
     return ids, loss_mask
