@@ -1,11 +1,12 @@
-"""GRPO with the Megatron engine (TP=2 over two GPUs) beside the FSDP engine (one GPU) on the GPU benchmark
-workload of `rl_step.py` (Qwen2.5-0.5B shape, random weights, 16 prompts x 8 samples, 128 + 256 tokens).
+"""GRPO with the Megatron engine (TP=2 or PP=2 over two GPUs, or TP=1 on one) beside the FSDP engine (one GPU)
+on the GPU benchmark workload of `rl_step.py` (Qwen2.5-0.5B shape, random weights, 16 prompts x 8 samples,
+128 + 256 tokens, update micro-batches by a budget of 49,152 tokens).
 
 Each run trains `--steps` steps from the same weights and prompts and records the per-step reward, policy loss,
 gradient norm and timings. After the last step the actor's rollout engine decodes greedily for the next batch
 of prompts, the run's HF export is loaded in transformers and decodes greedily for the same prompts, and the
 two token sequences are compared (the rollout holds the weights handed off from the engine, so this checks
-the export and the hand-off against each other).
+the export and the hand-off against each other; `--no-greedy` skips it).
 
     PYTHONPATH=. python3 benchmarks/megatron_vs_fsdp.py --steps 30 --out results/x.json
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,6 +31,7 @@ from ketch.trainer.ppo import PPOTrainer
 MEGATRON = ["actor.strategy=megatron", "trainer.n_gpus_per_node=2"]
 RUNS = {
     "fsdp_1gpu": ["trainer.n_gpus_per_node=1"],
+    "megatron_tp1": ["actor.strategy=megatron", "trainer.n_gpus_per_node=1"],
     "megatron_tp2": [*MEGATRON, "actor.megatron.tensor_model_parallel_size=2"],
     "megatron_pp2": [*MEGATRON, "actor.megatron.pipeline_model_parallel_size=2"],
 }
@@ -36,9 +39,12 @@ CURVES = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entrop
 CURVES += ("timing_s/update_actor", "timing_s/weight_sync")
 
 
-def train(name: str, s: dict, model: Path, data: Path, steps: int, root: Path, device: str, extra: list[str]) -> dict:
-    """`steps` GRPO steps of run `name`; its curves and the greedy comparison of rollout and export."""
-    settings = overrides(s, model, data, "grpo", device, steps, root / name) + RUNS[name] + extra
+def train(name: str, s: dict, model: Path, data: Path, args, root: Path, device: str) -> dict:
+    """`args.steps` GRPO steps of run `name`; its curves and (unless `args.no_greedy`) the greedy comparison of
+    rollout and export."""
+    workload = argparse.Namespace(variant="grpo", device=device, workload="fixed")
+    steps, extra = args.steps, args.set
+    settings = overrides(s, model, data, workload, steps, root / name) + RUNS[name] + extra
     config = load_config(overrides=settings)
     trainer = PPOTrainer(config)
     trainer._open()
@@ -49,20 +55,24 @@ def train(name: str, s: dict, model: Path, data: Path, steps: int, root: Path, d
         trainer.tracker.log(metrics, step)
         curves.append({k: metrics[k] for k in CURVES if k in metrics})
         print(f"{name} step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in curves[-1].items()), flush=True)
+    timed = curves[2:] or curves  # the first steps compile
+    result = {
+        "run": name,
+        "overrides": RUNS[name] + extra,
+        "curves": curves,
+        "finite_grad_norm_steps": sum(math.isfinite(c["actor/grad_norm"]) for c in curves),
+        "step_s_median": statistics.median(c["timing_s/step"] for c in timed),
+        "update_actor_s_median": statistics.median(c["timing_s/update_actor"] for c in timed),
+        "peak_gpu_memory_gib": max(m["allocated_gib"] for m in trainer.actor_rollout.peak_device_memory()),
+    }
+    if args.no_greedy:
+        return result
     prompts = trainer.loader.next_batch().select(batch_keys=["input_ids", "attention_mask", "position_ids"])
     prompts.meta_info["do_sample"] = False
     rollout_tokens = trainer.actor_rollout.generate_sequences(prompts).batch["responses"]
     trainer._finish(metrics)  # writes the HF export to run_dir/model
     export_tokens = greedy_with_transformers(trainer.run_dir / "model", prompts, s["response_len"], device)
-    timed = curves[2:] or curves  # the first steps compile
-    return {
-        "run": name,
-        "overrides": RUNS[name] + extra,
-        "curves": curves,
-        "step_s_median": statistics.median(c["timing_s/step"] for c in timed),
-        "update_actor_s_median": statistics.median(c["timing_s/update_actor"] for c in timed),
-        "greedy": compare(rollout_tokens, export_tokens),
-    }
+    return result | {"greedy": compare(rollout_tokens, export_tokens)}
 
 
 def greedy_with_transformers(model_dir: Path, prompts: DataProto, new_tokens: int, device: str) -> torch.Tensor:
@@ -109,6 +119,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["fsdp_1gpu", "megatron_tp2"], choices=sorted(RUNS))
     parser.add_argument("--scale", choices=sorted(SCALES), default="full")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
+    parser.add_argument("--no-greedy", action="store_true", help="skip the greedy rollout-vs-export comparison")
     parser.add_argument("--out", required=True, help="JSON file; each run is also written beside it when done")
     args = parser.parse_args()
     s = SCALES[args.scale]
@@ -119,9 +130,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "steps": args.steps, "runs": {}}
     for name in args.runs:
-        results["runs"][name] = train(name, s, model, data, args.steps, root, device, args.set)
+        results["runs"][name] = train(name, s, model, data, args, root, device)
         out.with_name(f"{out.stem}_{name}.json").write_text(json.dumps(results["runs"][name], indent=1))
     first, *others = args.runs
+    results["overrides"] = args.set
     results["agreement"] = {f"{o} vs {first}": agreement(results["runs"][first], results["runs"][o]) for o in others}
     out.write_text(json.dumps(results, indent=1))
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}, indent=1))

@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.config import load_config
+from ketch.trainer import ppo
 from ketch.trainer.ppo import PPOTrainer
 
 SCALES = {
@@ -169,10 +170,12 @@ def run(args) -> dict:
     trainer._open()
     records = []
     for step in range(1, total + 1 + bool(args.profile)):  # a profiled step comes after the timed ones
-        with profiled(args.profile if step > total else None):
+        with profiled_stage(args.profile if step > total else None, args.profile_stage):
             records.append(trainer._train_step(trainer.loader.next_batch(), step))
         stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
         print(f"step {step}: {stages}", flush=True)
+        if step == 1:
+            print(f"compilation in the first step:\n{torch._dynamo.utils.compile_times(repr='str')}", flush=True)
     memory = worker_memory(trainer.groups)
     rows = config.data.train_batch_size * config.rollout.n
     devices = config.num_processes(args.device == "cuda")
@@ -184,6 +187,27 @@ def run(args) -> dict:
     if args.device == "cuda":
         result["peak_gpu_memory_gib"] = max(m["allocated_gib"] for m in memory)
     return result
+
+
+@contextmanager
+def profiled_stage(out: str | None, stage: str):
+    """Profile the enclosed step (`stage` "step") or only one of its stages (as the trainer times them)."""
+    if out is None or stage == "step":
+        with profiled(out):
+            yield
+        return
+    timed = ppo._timed
+
+    @contextmanager
+    def timed_and_profiled(timings: dict, name: str):
+        with profiled(out if name == stage else None), timed(timings, name):
+            yield
+
+    ppo._timed = timed_and_profiled
+    try:
+        yield
+    finally:
+        ppo._timed = timed
 
 
 @contextmanager
@@ -279,6 +303,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile", help="profile one more step after the timed ones; write its torch.profiler tables to this file"
+    )
+    parser.add_argument(
+        "--profile-stage", default="step", choices=["step", *STAGES[:-1]], help="profile only this stage of the step"
     )
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""The user cache directory, where built-in data and the warmed-up built-in model are kept."""
+"""The user cache directory, where built-in data, the warmed-up built-in model and torch.compile's caches are
+kept."""
 
 from __future__ import annotations
 
@@ -12,3 +13,10 @@ def cache_dir() -> Path:
     path = Path(root)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def use_compile_cache() -> str:
+    """Keep torch.compile's caches (FX graphs, AOTAutograd graphs, autotuning) under the ketch cache directory,
+    so that a later run reuses them (`$TORCHINDUCTOR_CACHE_DIR` wins when set); returns the directory."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]

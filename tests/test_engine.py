@@ -8,8 +8,9 @@ import torch
 from ketch.algorithms import policy_loss
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import init_process_group
-from ketch.engine.engine import TrainEngine
-from ketch.engine.heads import PolicyModel, chunked_log_probs
+from ketch.engine.engine import TrainEngine, compile_blocks
+from ketch.engine.heads import PolicyModel
+from ketch.engine.log_probs import token_log_probs
 from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm
 from ketch.protocol import DataProto
@@ -82,13 +83,68 @@ def test_token_budget_micro_batches_keep_order_and_respect_the_budget():
     assert lengths == [6, 11, 8, 11, 7, 10, 9, 11]
 
 
-def test_chunked_log_probs_equal_the_full_softmax():
+def test_token_log_probs_and_their_gradients_equal_the_full_softmax():
+    """Chunks of 3 of 10 tokens (the last one shorter) against autograd through the full float64 softmax."""
     g = torch.Generator().manual_seed(1)
-    states, weight = torch.randn(10, 8, generator=g), torch.randn(30, 8, generator=g)
+    states = torch.randn(10, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(30, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(30, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 30, (10,), generator=g)
-    log_prob, entropy = chunked_log_probs(states, labels, weight, None, temperature=0.7, calc_entropy=True, chunk=3)
-    logits = (states @ weight.T) / 0.7
-    expected = logits.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
-    torch.testing.assert_close(log_prob, expected)
-    expected_entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-    torch.testing.assert_close(entropy, expected_entropy)
+    grad_lp, grad_ent = torch.randn(2, 10, generator=g, dtype=torch.float64)
+
+    log_prob, entropy = token_log_probs(states, labels, weight, bias, temperature=0.7, calc_entropy=True, chunk=3)
+    got = torch.autograd.grad((log_prob * grad_lp + entropy * grad_ent).sum(), (states, weight, bias))
+
+    logits = (states @ weight.T + bias) / 0.7
+    expected_lp = logits.log_softmax(-1).gather(-1, labels[:, None]).squeeze(-1)
+    expected_ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    expected = torch.autograd.grad((expected_lp * grad_lp + expected_ent * grad_ent).sum(), (states, weight, bias))
+    torch.testing.assert_close(log_prob.double(), expected_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy.double(), expected_ent, atol=1e-6, rtol=0)
+    for name, a, b in zip(("states", "weight", "bias"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_token_log_probs_without_entropy_differentiate_the_log_probs_only():
+    g = torch.Generator().manual_seed(2)
+    states = torch.randn(5, 4, generator=g, requires_grad=True)
+    weight = torch.randn(7, 4, generator=g)
+    labels = torch.tensor([0, 6, 3, 3, 1])
+    log_prob, entropy = token_log_probs(states, labels, weight, None, temperature=1.0, calc_entropy=False, chunk=2)
+    assert entropy is None
+    (grad,) = torch.autograd.grad(log_prob.sum(), states)
+    # d/ds sum_i log softmax(s_i W^T)[y_i] = W[y_i] - sum_v p_iv W[v]
+    p = (states @ weight.T).softmax(-1)
+    torch.testing.assert_close(grad, weight[labels] - p @ weight, atol=1e-6, rtol=1e-5)
+    empty, _ = token_log_probs(states[:0], labels[:0], weight, None, 1.0, calc_entropy=False)
+    assert empty.shape == (0,) and empty.requires_grad  # a micro-batch without response tokens still backpropagates
+
+
+def test_compiled_blocks_give_the_eager_log_probs_entropy_and_gradients(tiny_model_dir):
+    """Each decoder block through torch.compile (dynamo and AOTAutograd, FSDP's hooks outside; `aot_eager` keeps
+    the test fast on a CPU) against the eager model: same outputs and gradients, one graph for both blocks."""
+    init_process_group(CPU)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engines = {}
+    for compiled in (False, True):
+        policy = PolicyModel(load_causal_lm(str(tiny_model_dir), torch.float32))
+        if compiled:
+            assert compile_blocks(policy, backend="aot_eager") == 2
+        engines[compiled] = TrainEngine(policy, CPU, OptimConfig(lr=0.0, grad_clip=0.0), total_steps=1)
+    data = make_batch(vocab=100)
+    out = {c: e.infer(data, micro_batch_size=8, calc_entropy=True) for c, e in engines.items()}
+    for key in ("log_prob", "entropy"):
+        torch.testing.assert_close(out[True][key], out[False][key], atol=1e-6, rtol=0)
+
+    def loss_fn(o, micro, num_tokens, num_seqs):
+        b = micro.batch
+        return policy_loss(b["old_log_prob"], o["log_prob"], b["advantages"], b["response_mask"])[0], {}
+
+    metrics = {c: e.train_mini_batch(split_micro_batches(data, 8), loss_fn) for c, e in engines.items()}
+    assert metrics[True]["grad_norm"] == pytest.approx(metrics[False]["grad_norm"], abs=1e-6)
+    assert metrics[False]["grad_norm"] > 1e-3
+    g_compiled, g_eager = grads(engines[True]), grads(engines[False])
+    for name in g_eager:
+        torch.testing.assert_close(g_compiled[name], g_eager[name], atol=1e-6, rtol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the blocks' forward: no grad, and grad

@@ -214,7 +214,7 @@ def test_megatron_critic_matches_the_hf_value_model(tmp_path):
 
     sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "max_positions": 64}
     model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)
-    megatron = MegatronConfig(tensor_model_parallel_size=2)
+    megatron = MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)
     mp.start_processes(_critic_rank, args=(2, megatron, str(model_dir), 29623, str(tmp_path)), nprocs=2)
     model = ValueModel(_critic(model_dir))
     weights = {k: v.detach().clone() for k, v in model.critic.state_dict().items()}

@@ -45,3 +45,49 @@ def test_shape_buckets_give_the_same_greedy_tokens_and_log_probs(tiny_model_dir)
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
     assert out[False][1].min() < -1  # real log-probs
+
+
+def greedy_case(tiny_model_dir):
+    from ketch.models import load_causal_lm
+
+    model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    return model, torch.randint(4, 40, (3, 5), generator=g) * attention_mask, attention_mask
+
+
+def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_model_dir):
+    """The decode step through torch.compile (dynamo and AOTAutograd; `aot_eager` keeps the test fast on a CPU)
+    against the eager step, on ragged left-padded prompts with a stop token."""
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    out = {}
+    for compiled in (False, True):
+        decoder = StaticDecoder(model, compile_step=compiled, buckets=False, backend="aot_eager")
+        out[compiled] = decoder.generate(input_ids, attention_mask, 6, Sampling(do_sample=False), [8], pad_token_id=0)
+    assert torch.equal(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
+    assert out[False][1].min() < -1
+
+
+def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
+    """With every token a stop token all rows finish at the first token, and the loop stops at the first check
+    (`CHECK_EVERY` = 16: decode steps for tokens 2..16, 15 in all) instead of running 63 steps for 64 tokens."""
+    from ketch.rollout.static_decoding import CHECK_EVERY, Sampling, StaticDecoder
+
+    model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    calls, tokens = {}, {}
+    for name, stops in (("all stop", list(range(model.config.vocab_size))), ("no stop", None)):
+        decoder = StaticDecoder(model, compile_step=False)
+        step, calls[name] = decoder.step, 0
+
+        def counted(*args, step=step, name=name):
+            calls[name] += 1
+            return step(*args)
+
+        decoder.step = counted
+        tokens[name], _ = decoder.generate(input_ids, attention_mask, 64, Sampling(False), stops, pad_token_id=0)
+    assert CHECK_EVERY == 16 and calls == {"all stop": 15, "no stop": 63}
+    assert (tokens["all stop"][:, 1:] == 0).all() and (tokens["all stop"][:, 0] != 0).all()  # pad after the stop
+    assert (tokens["no stop"] != 0).all()  # without stops every token is real

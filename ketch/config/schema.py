@@ -90,6 +90,10 @@ class ModelConfig:
     use_liger: bool = False
     """Liger-Kernel's fused RMSNorm and SwiGLU in the training forwards (actor, reference, critic) on CUDA, when
     `liger-kernel` is installed (pip install liger-kernel); otherwise a warning and the plain modules."""
+    use_torch_compile: bool | None = None
+    """torch.compile each transformer block of the training forwards (actor, reference, critic; FSDP engine),
+    forward and backward: fused kernels for the work around the matmuls. Compiled once per shape family and
+    kept in the compiler cache (under the ketch cache directory) for later runs. None = on GPUs."""
     override_config: dict[str, Any] = field(default_factory=dict)
     """Entries written over the model's config.json before loading (e.g. {attention_dropout: 0.0})."""
 

@@ -7,6 +7,8 @@ know about the split (e.g. the padding added). Register new modes with `register
 A data-parallel mode (`DP_COMPUTE_PROTO`) splits over the group's data-parallel ranks, not its processes: with
 tensor or pipeline parallelism several processes form one data-parallel rank. They all get that rank's piece
 (they compute it together), and one of them (`collect`) returns the result (`DataParallelLayout`).
+`PROCESS_COMPUTE_PROTO` splits over every process, for work each process does alone whatever the model
+parallelism: generation, where each process holds a whole rollout model.
 """
 
 from __future__ import annotations
@@ -140,3 +142,5 @@ ONE_TO_ALL = register_dispatch_mode(DispatchMode("ONE_TO_ALL", _same_to_all, lam
 ALL_TO_ALL = register_dispatch_mode(DispatchMode("ALL_TO_ALL", _one_per_rank, lambda results, _: results))
 RANK_ZERO = register_dispatch_mode(DispatchMode("RANK_ZERO", _same_to_all, lambda results, _: results[0]))
 DP_COMPUTE_PROTO = register_dispatch_mode(DispatchMode("DP_COMPUTE_PROTO", _split_protos, _concat_protos, True))
+PROCESS_COMPUTE_PROTO = register_dispatch_mode(DispatchMode("PROCESS_COMPUTE_PROTO", _split_protos, _concat_protos))
+"""Every process its own piece and its own result, tensor/pipeline peers included (each piece computed once)."""

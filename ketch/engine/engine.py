@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ketch.cache import use_compile_cache
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.micro import split_micro_batches
@@ -33,16 +34,61 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
 def shard(module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Move `module` to `device` and apply FSDP2: each transformer block, then the root."""
+    """Move `module` to `device` and apply FSDP2: each transformer block, then the root. In a world of one
+    process the blocks keep their gathered (cast) parameters from the forward to the backward pass: there is
+    nothing to save by freeing them, and gathering them again would cost a copy per block."""
     module.to(device)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": policy} if policy else {}
-    block_names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
-    for sub in module.modules():
-        if type(sub).__name__ in block_names:
-            fully_shard(sub, **kwargs)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        kwargs["reshard_after_forward"] = False
+    for block in transformer_blocks(module):
+        fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (decoder layers) of the HF model inside `module`, by its `_no_split_modules`."""
+    names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
+    return [sub for sub in module.modules() if type(sub).__name__ in names]
+
+
+def compile_enabled(use_torch_compile: bool | None, device: torch.device) -> bool:
+    """`model.use_torch_compile`, where None means: on CUDA devices only."""
+    return device.type == "cuda" if use_torch_compile is None else use_torch_compile
+
+
+def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
+    """Compile each transformer block's forward (and with it, through AOTAutograd, its backward) with
+    torch.compile: the elementwise work around the matmuls (norms, rotary embeddings, activations, residual
+    adds, casts) becomes a few fused kernels. The blocks share one compiled graph (the same code with the
+    block's parameters as inputs); FSDP's hooks stay outside it, on the module call. Returns how many blocks."""
+    blocks = transformer_blocks(module)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=None)
+    if blocks:
+        logger.info(
+            "compiling the %d %s blocks of the training forward on first use (compiler cache %s)",
+            len(blocks),
+            type(blocks[0]).__name__,
+            use_compile_cache(),
+        )
+    return len(blocks)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most `max_norm` (as `clip_grad_norm_`); returns
+    the norm before clipping. Works on each rank's local shards (`DTensor.to_local`) with one fused norm and
+    one all-reduce of the squared norms, instead of a DTensor operation per parameter."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum()
+    norm = all_reduce_sum(squares).sqrt()
+    if math.isfinite(max_norm):
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
+    return norm
 
 
 def _hf_model(module: nn.Module) -> nn.Module:
@@ -60,9 +106,12 @@ class TrainEngine:
         total_steps: int = 1,
         param_dtype: torch.dtype | None = None,
         gradient_checkpointing: bool = False,
+        compile: bool = False,
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile:
+            compile_blocks(module)
         self.device = device
         self.module = shard(module, device, param_dtype)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -116,11 +165,7 @@ class TrainEngine:
         return dict(zip(totals, summed, strict=True)) | self._step()
 
     def _step(self) -> dict[str, float]:
-        clip = self.optim_config.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = grad_norm.item()
+        grad_norm = clip_grad_norm(self.module.parameters(), self.optim_config.grad_clip or math.inf).item()
         lr = self.scheduler.get_last_lr()[0]
         if not math.isfinite(grad_norm):
             logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from ketch.engine.log_probs import token_log_probs
 from ketch.engine.packing import backbone_hidden, use_packed_attention
-
-LOGIT_CHUNK = 4096
-"""Tokens per chunk of the output projection: full [tokens x vocab] float32 logits never exist at once."""
 
 
 class PolicyModel(nn.Module):
@@ -47,46 +44,13 @@ class PolicyModel(nn.Module):
         states = hidden[:, -response_len - 1 : -1][valid]
         labels = input_ids[:, -response_len:][valid]
         head = self.lm.get_output_embeddings()
-        log_prob, entropy = chunked_log_probs(states, labels, head.weight, head.bias, temperature, calc_entropy)
+        log_prob, entropy = token_log_probs(states, labels, head.weight, head.bias, temperature, calc_entropy)
         # Fresh tensors, not views: FSDP's backward hook on a root output must not be bypassed by a view.
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
         out = {"log_prob": zeros.masked_scatter(valid, log_prob)}
         if calc_entropy:
             out["entropy"] = zeros.masked_scatter(valid, entropy)
         return out
-
-
-def chunked_log_probs(
-    states: torch.Tensor,
-    labels: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    temperature: float,
-    calc_entropy: bool,
-    chunk: int = LOGIT_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of `labels` `[tokens]` (and entropy) from hidden `states` `[tokens, hidden]`, chunk by chunk;
-    under autograd each chunk is recomputed in the backward pass instead of keeping its logits."""
-    log_probs, entropies = [], []
-    for start in range(0, states.shape[0], chunk):
-        args = (states[start : start + chunk], labels[start : start + chunk], weight, bias, temperature, calc_entropy)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_log_probs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_log_probs(*args)
-        log_probs.append(lp)
-        entropies.append(ent)
-    return torch.cat(log_probs), torch.cat(entropies) if calc_entropy else None
-
-
-def _chunk_log_probs(states, labels, weight, bias, temperature, calc_entropy):
-    logits = nn.functional.linear(states, weight, bias).float() / temperature
-    normaliser = torch.logsumexp(logits, dim=-1)
-    log_prob = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - normaliser
-    if not calc_entropy:
-        return log_prob, log_prob.new_zeros(0)
-    entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return log_prob, entropy
 
 
 class ValueModel(nn.Module):

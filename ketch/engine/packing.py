@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 from torch import nn
@@ -120,7 +119,7 @@ def packed_attention(
             "padding-free packing does not support sliding-window attention; set model.use_remove_padding=false"
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout:
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and VARLEN_PARAMETERS:
         out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
     else:
         out = _sdpa_per_sequence(q, k, v, cu_seq_lens_q.tolist(), scaling, dropout)
@@ -145,19 +144,24 @@ def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling: floa
     """Variable-length causal flash attention (torch >= 2.10); `[T, heads, head_dim]` in and out."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_parameters()
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if "scale" in params:
+    kwargs = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMETERS else {"is_causal": True}
+    if "scale" in VARLEN_PARAMETERS:
         kwargs["scale"] = scaling
-    if "enable_gqa" in params:
+    if "enable_gqa" in VARLEN_PARAMETERS:
         kwargs["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
 
 
-@cache
 def _varlen_parameters() -> frozenset[str]:
-    from torch.nn.attention.varlen import varlen_attn
-
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10: no variable-length attention, packed forwards take SDPA per sequence
+        return frozenset()
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+VARLEN_PARAMETERS = _varlen_parameters()
+"""The keyword parameters of this torch's `varlen_attn` (they changed between releases); a constant, so that
+torch.compile traces the attention call without looking at signatures."""

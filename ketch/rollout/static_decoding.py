@@ -11,14 +11,14 @@ KV cache once per key/value head (`grouped_decode_attention`), not once per quer
 from __future__ import annotations
 
 import logging
-import os
 import time
+from functools import cache
 
 import torch
 from torch import nn
 from transformers import StaticCache
 
-from ketch.cache import cache_dir
+from ketch.cache import use_compile_cache
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -71,18 +71,12 @@ def use_grouped_decode_attention(model: nn.Module) -> None:
     model.set_attn_implementation(DECODE_ATTENTION)
 
 
-def use_compile_cache() -> str:
-    """Keep torch.compile's caches (FX graphs, autotuning) under the ketch cache directory, so that a later run
-    reuses them (`$TORCHINDUCTOR_CACHE_DIR` wins when set); returns the directory."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
 class StaticDecoder:
     """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
 
-    def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None):
-        """`buckets` (default: when compiling) rounds batch shapes up so that few graphs are captured."""
+    def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None, backend: str = "inductor"):
+        """`buckets` (default: when compiling) rounds batch shapes up so that few graphs are captured; `backend`
+        is torch.compile's (inductor's CUDA graphs: `reduce-overhead`)."""
         self.model = model
         self.buckets = compile_step if buckets is None else buckets
         use_grouped_decode_attention(model)
@@ -92,7 +86,8 @@ class StaticDecoder:
         self.compiled = compile_step
         if compile_step:
             self.compile_cache = use_compile_cache()
-            self.step = torch.compile(self._step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            mode = {"mode": "reduce-overhead"} if backend == "inductor" else {"backend": backend}
+            self.step = torch.compile(self._step, fullgraph=True, dynamic=False, **mode)
 
     def _step(self, tokens, attention_mask, position_ids, cache_position, cache):
         out = self.model(
@@ -207,27 +202,46 @@ class StaticDecoder:
 
 class Sampling:
     """Picks the next token from float32 logits `[batch, vocab]` and returns its log-prob under the
-    temperature-scaled distribution (what the training engine computes), before top-k/top-p filtering."""
+    temperature-scaled distribution (what the training engine computes), before top-k/top-p filtering.
+
+    Sampling takes the argmax of the filtered logits plus Gumbel noise (the Gumbel-max trick: the same
+    distribution as a draw from their softmax); on CUDA it is compiled into a few fused kernels over the
+    vocabulary, where softmax, `multinomial` and `log_softmax` took a pass (or several) each."""
 
     def __init__(self, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
         self.do_sample, self.temperature, self.top_p, self.top_k = do_sample, temperature, top_p, top_k
 
     def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.do_sample:
-            scaled = logits / self.temperature
-            token = torch.multinomial(self._filter(scaled).softmax(-1), 1).squeeze(-1)
-        else:
-            scaled, token = logits, logits.argmax(-1)
-        return token, scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+        """`(token, log_prob)`, each `[batch]`."""
+        return _sampler(logits.device.type)(logits, self.do_sample, self.temperature, self.top_k, self.top_p)
 
     def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
-        """Logits outside the top-k and the top-p nucleus set to -inf."""
-        if self.top_k > 0:
-            kth = scaled.topk(min(self.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        if self.top_p < 1.0:
-            ordered, order = scaled.sort(dim=-1, descending=True)
-            probs = ordered.softmax(-1)
-            outside = probs.cumsum(-1) - probs > self.top_p  # the nucleus keeps the token that crosses top_p
-            scaled = scaled.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
-        return scaled
+        return _filter(scaled, self.top_k, self.top_p)
+
+
+def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float):
+    if do_sample:
+        scaled = logits / temperature
+        gumbel = -(-torch.rand_like(scaled).log()).log()
+        token = (_filter(scaled, top_k, top_p) + gumbel).argmax(-1)
+    else:
+        scaled, token = logits, logits.argmax(-1)
+    return token, scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+
+
+def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits outside the top-k and the top-p nucleus set to -inf."""
+    if top_k > 0:
+        kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        outside = probs.cumsum(-1) - probs > top_p  # the nucleus keeps the token that crosses top_p
+        scaled = scaled.masked_fill(torch.zeros_like(outside).scatter(-1, order, outside), float("-inf"))
+    return scaled
+
+
+@cache
+def _sampler(device_type: str):
+    return torch.compile(_sample, dynamic=False) if device_type == "cuda" else _sample

@@ -12,9 +12,9 @@ import torch
 from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
-from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
+from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
-from ketch.engine.engine import TrainEngine
+from ketch.engine.engine import TrainEngine, compile_enabled
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
@@ -58,6 +58,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         else:
             mixed = self.dtype if self.dtype != torch.float32 else None
             packed = packing_enabled(c.model.use_remove_padding, self.device)
+            compile = compile_enabled(c.model.use_torch_compile, self.device)
             self.actor = TrainEngine(
                 PolicyModel(self._load(torch.float32), packed),
                 self.device,
@@ -65,9 +66,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                 self.total_updates,
                 param_dtype=mixed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
+                compile=compile,
             )
             self.ref = (
-                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device) if c.use_reference else None
+                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device, compile=compile)
+                if c.use_reference
+                else None
             )
             self.hf_config = self.actor.module.lm.config
         backend = build_rollout(c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank)
@@ -96,10 +100,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             fuse_kernels(lm, self.device)
         return lm
 
-    @register(DP_COMPUTE_PROTO)
+    @register(PROCESS_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sample responses for this rank's prompts (see `Rollout.generate` for the fields); the rollout
-        engine's memory is given back to training afterwards."""
+        """Sample responses for this process's prompts (see `Rollout.generate` for the fields); the rollout
+        engine's memory is given back to training afterwards. Every process holds a whole rollout model, so the
+        prompts are split over all processes: Megatron's tensor/pipeline peers each generate their own share
+        instead of the same one."""
         self.rollout.wake_up()
         out = self.rollout.generate(prompts).to("cpu")
         self.rollout.sleep()

@@ -11,7 +11,7 @@ from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
-from ketch.engine.engine import TrainEngine
+from ketch.engine.engine import TrainEngine, compile_enabled
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
@@ -65,6 +65,7 @@ class CriticWorker(DeviceMemory, Worker):
                 self.total_updates,
                 mixed,
                 m.gradient_checkpointing,
+                compile_enabled(m.use_torch_compile, self.device),
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:

@@ -13,7 +13,7 @@ from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.data.batching import position_ids
 from ketch.data.retokenize import needs_retokenize, retokenize
 from ketch.engine.checkpoint import load_engine, save_engine
-from ketch.engine.engine import TrainEngine
+from ketch.engine.engine import TrainEngine, compile_enabled
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.heads import ScoreModel
 from ketch.engine.packing import packing_enabled
@@ -55,7 +55,8 @@ class RewardModelWorker(DeviceMemory, Worker):
         optim = c.reward.model.optim if training else None
         checkpointing = training and m.gradient_checkpointing
         head = ScoreModel(model, packing_enabled(m.use_remove_padding, self.device))
-        self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing)
+        compile = compile_enabled(m.use_torch_compile, self.device)
+        self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing, compile)
         self.actor_tokenizer = self._actor_tokenizer_if_needed()
 
     def _actor_tokenizer_if_needed(self):

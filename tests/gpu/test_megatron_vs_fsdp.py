@@ -1,5 +1,6 @@
-"""Same weights, same batch: the FSDP engine on one GPU and the Megatron engine with TP=2 and with PP=2 on two
-GPUs give the same log-probs, first-update `pg_loss` and `grad_norm`, within bf16 tolerances.
+"""Same weights, same batch: the FSDP engine on one GPU and the Megatron engine without model parallelism on one
+GPU, with TP=2 and with PP=2 on two GPUs give the same log-probs, first-update `pg_loss` and `grad_norm`, within
+bf16 tolerances.
 
 The model has the Qwen2.5-0.5B shape (24 layers, width 896, 14 query / 2 key-value heads, tied 151,936-token
 vocabulary) with random weights stored in bf16, so both engines start from identical values. With
@@ -124,15 +125,17 @@ def fsdp_run(model_dir, tmp_path_factory):
     return run("fsdp", 1, model_dir, tmp_path_factory.mktemp("fsdp"))
 
 
-@pytest.mark.gpus(2)
 @pytest.mark.parametrize(
     "megatron",
-    [MegatronConfig(tensor_model_parallel_size=2), MegatronConfig(pipeline_model_parallel_size=2)],
-    ids=["tp2", "pp2"],
+    [
+        pytest.param(MegatronConfig(), marks=pytest.mark.gpus(1), id="tp1"),
+        pytest.param(MegatronConfig(tensor_model_parallel_size=2), marks=pytest.mark.gpus(2), id="tp2"),
+        pytest.param(MegatronConfig(pipeline_model_parallel_size=2), marks=pytest.mark.gpus(2), id="pp2"),
+    ],
 )
 def test_first_update_agrees_with_fsdp(model_dir, fsdp_run, tmp_path, megatron):
     fsdp_lp, fsdp = fsdp_run
-    mega_lp, mega = run("megatron", 2, model_dir, tmp_path, megatron)
+    mega_lp, mega = run("megatron", megatron.model_parallel_size, model_dir, tmp_path, megatron)
     mask = batch().batch["response_mask"].bool()
     diff = (mega_lp["log_prob"] - fsdp_lp["log_prob"])[mask].abs()
     figures = {

@@ -3,10 +3,10 @@
 
 Processes form Megatron's grid (`grid.py`); the data-parallel dispatch gives every tensor/pipeline peer the
 same rows. Micro-batches are ketch's; Megatron's schedule (`get_forward_backward_func`: no pipelining, 1F1B or
-interleaved 1F1B) runs them. Log-probs come from vocabulary-parallel logits (`logprobs.py`). Parameters are
-float32 and the forward runs under autocast in `dtype`; gradients are summed over data-parallel ranks (the
-loss is already each rank's share of the global mean, as in the FSDP engine) and clipped by the global norm
-over the whole model.
+interleaved 1F1B) runs them. Log-probs come from vocabulary-parallel logits, a chunk of tokens at a time
+(`logprobs.py`). Parameters are float32 and the forward runs under autocast in `dtype`; gradients are summed
+over data-parallel ranks (the loss is already each rank's share of the global mean, as in the FSDP engine)
+and clipped by the global norm over the whole model.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ketch.config.schema import MegatronConfig, OptimConfig
 from ketch.engine.checkpoint import rng_state, set_rng_state
 from ketch.engine.engine import LossFn
 from ketch.engine.megatron.grid import RankGrid
-from ketch.engine.megatron.logprobs import vocab_parallel_log_probs
+from ketch.engine.megatron.logprobs import chunked_vocab_parallel_log_probs
 from ketch.engine.megatron.model import build_chunks, transformer_config
 from ketch.engine.megatron.weights import (
     ModelShape,
@@ -161,27 +161,43 @@ class MegatronEngine:
         out = model(input_ids=ids, position_ids=micro.batch["position_ids"], attention_mask=masked)
         if not model.post_process:
             return out.float(), None  # activations travel to the next stage in pipeline_dtype (float32)
-        return out, partial(self._last_stage, step_fn, micro)
+        return out, partial(self._last_stage, step_fn, micro, model)
 
-    def _last_stage(self, step_fn, micro: DataProto, logits: torch.Tensor):
-        if self.shape.value_head:  # [batch, seq, 1]: the value of each response token from the state before it
+    def _last_stage(self, step_fn, micro: DataProto, model, out: torch.Tensor):
+        """The loss of the last stage's output `out`: values `[batch, seq, 1]` of a critic, hidden states
+        `[batch, seq, hidden]` of a policy (its `VocabParallelHead`)."""
+        if self.shape.value_head:  # the value of each response token from the state before it
             response_len = micro.batch["responses"].shape[-1]
-            outputs = {"values": logits[:, -response_len - 1 : -1, 0].float()}
+            outputs = {"values": out[:, -response_len - 1 : -1, 0].float()}
         else:
-            outputs = self._policy_outputs(logits, micro)
+            tied = model.share_embeddings_and_output_weights
+            weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
+            outputs = self._policy_outputs(out, weight, micro)
         loss, info = step_fn(outputs, micro)
-        return loss, torch.ones((), dtype=torch.int, device=logits.device), info
+        return loss, torch.ones((), dtype=torch.int, device=out.device), info
 
-    def _policy_outputs(self, logits: torch.Tensor, micro: DataProto) -> dict[str, torch.Tensor]:
-        """`log_prob` (and `entropy`) `[batch, response_len]` float32 from vocabulary-parallel `logits`
-        `[batch, seq, vocab / tp]`; the hidden state before each response token scores it."""
+    def _policy_outputs(self, hidden: torch.Tensor, weight: torch.Tensor, micro: DataProto) -> dict[str, torch.Tensor]:
+        """`log_prob` (and `entropy`) `[batch, response_len]` float32 from `hidden` `[batch, seq, hidden]` and this
+        rank's output weight `[vocab / tp, hidden]`; the hidden state before each response token scores it, and
+        only real response tokens are scored (0 at padding, as the FSDP engine)."""
         response_len = micro.batch["responses"].shape[-1]
-        labels = micro.batch["input_ids"][:, -response_len:]
-        scaled = logits[:, -response_len - 1 : -1] / self.temperature
-        vocab_start = self.tp_rank * logits.shape[-1]
-        group = mpu.get_tensor_model_parallel_group()
-        log_prob, entropy = vocab_parallel_log_probs(scaled, labels, vocab_start, group, self.calc_entropy)
-        return {"log_prob": log_prob} | ({"entropy": entropy} if entropy is not None else {})
+        valid = micro.batch["attention_mask"][:, -response_len:].bool()
+        states = hidden[:, -response_len - 1 : -1][valid]
+        labels = micro.batch["input_ids"][:, -response_len:][valid]
+        dtype = self.config.autocast_dtype if self.config.enable_autocast else None
+        log_prob, entropy = chunked_vocab_parallel_log_probs(
+            states,
+            labels,
+            weight,
+            self.tp_rank * weight.shape[0],
+            mpu.get_tensor_model_parallel_group(),
+            self.temperature,
+            self.calc_entropy,
+            dtype,
+        )
+        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        outputs = {"log_prob": zeros.masked_scatter(valid, log_prob)}
+        return outputs | ({"entropy": zeros.masked_scatter(valid, entropy)} if entropy is not None else {})
 
     def _forward_kwargs(self, temperature: float = 1.0, calc_entropy: bool = False) -> None:
         self.temperature, self.calc_entropy = temperature, calc_entropy

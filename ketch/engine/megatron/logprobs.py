@@ -1,10 +1,15 @@
 """Log-probs and entropy from vocabulary-parallel logits: each tensor-parallel rank holds a slice of the
-vocabulary and the full `[tokens x vocab]` logits are never gathered; only per-token sums cross ranks."""
+vocabulary and the full `[tokens x vocab]` logits are never gathered; only per-token sums cross ranks.
+`chunked_vocab_parallel_log_probs` also projects the hidden states onto the slice a chunk of tokens at a time,
+so that not even one rank's `[tokens x vocab / tp]` logits exist whole."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from ketch.engine.log_probs import LOGIT_CHUNK
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -47,3 +52,36 @@ def vocab_parallel_log_probs(
         return log_prob, None
     mean_shifted = sum_over_ranks((exp * shifted).sum(-1), group) / sum_exp
     return log_prob, sum_exp.log() - mean_shifted
+
+
+def chunked_vocab_parallel_log_probs(
+    states: torch.Tensor,
+    labels: torch.Tensor,
+    weight: torch.Tensor,
+    vocab_start: int,
+    group=None,
+    temperature: float = 1.0,
+    calc_entropy: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    chunk: int = LOGIT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of `labels` `[tokens]` (and entropy) from hidden `states` `[tokens, hidden]` and this rank's
+    slice `weight` `[vocab / tp, hidden]` of the output layer (token ids `vocab_start ..`), for logits divided by
+    `temperature`; float32 results `[tokens]`. `chunk` tokens at a time; under autograd each chunk's logits are
+    recomputed in the backward pass instead of kept. `compute_dtype`: the projection's autocast dtype (as in
+    the model's forward), None for none."""
+    log_probs, entropies = [], []
+    for start in range(0, max(len(states), 1), chunk):  # an empty input still gives (empty) outputs
+        args = (states[start : start + chunk], labels[start : start + chunk], weight, vocab_start, group)
+        args += (temperature, calc_entropy, compute_dtype)
+        lp, ent = checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args)
+        log_probs.append(lp)
+        entropies.append(ent)
+    return torch.cat(log_probs), torch.cat(entropies) if calc_entropy else None
+
+
+def _chunk(states, labels, weight, vocab_start, group, temperature, calc_entropy, compute_dtype):
+    with torch.autocast(states.device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
+        logits = torch.nn.functional.linear(states, weight)
+    log_prob, entropy = vocab_parallel_log_probs(logits.float() / temperature, labels, vocab_start, group, calc_entropy)
+    return log_prob, entropy if calc_entropy else log_prob.new_zeros(0)

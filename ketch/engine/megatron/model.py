@@ -13,7 +13,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -63,6 +66,29 @@ def transformer_config(
     )
 
 
+class VocabParallelHead(torch.nn.Module):
+    """A policy's output layer in place of Megatron's (called like it, keeping its weight `output_layer.weight`,
+    None where the embedding's is used): it returns the hidden states `[seq, batch, hidden]` of every position
+    instead of logits. The engine projects them onto this rank's vocabulary slice a chunk of tokens at a time
+    (`chunked_vocab_parallel_log_probs`), so that `[tokens x vocab / tp]` logits never exist whole."""
+
+    def __init__(self, replaced: torch.nn.Module):
+        super().__init__()
+        self.weight, self.sequence_parallel = replaced.weight, replaced.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        # each rank's projection gives part of the gradient of the states: sum it over the tensor ranks
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True), None
+        return copy_to_tensor_model_parallel_region(hidden_states), None
+
+    def get_extra_state(self) -> None:  # the replaced layer's (empty) state-dict entry, so checkpoints match
+        return None
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
 class ValueHead(torch.nn.Linear):
     """A critic's scalar head in the output layer's place (called like it): replicated over tensor ranks, so
     with sequence parallelism the positions are gathered first. Parameters `output_layer.{weight,bias}`."""
@@ -72,8 +98,8 @@ class ValueHead(torch.nn.Linear):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        if self.sequence_parallel:  # every rank computes the whole gradient: each keeps its positions' part
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return super().forward(hidden_states), None
 
 
@@ -97,7 +123,7 @@ def block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None) ->
 
 def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_head: bool = False) -> list[GPTModel]:
     """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights;
-    `value_head`: a critic, whose last chunk ends in a `ValueHead`."""
+    `value_head`: a critic, whose last chunk ends in a `ValueHead`; else a policy's ends in a `VocabParallelHead`."""
     pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     models = []
     for vp_stage in range(chunks):
@@ -115,6 +141,9 @@ def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_
                 **rope_settings(hf_config),
             )
         )
-    if value_head and models[-1].post_process:
-        models[-1].output_layer = ValueHead(config.hidden_size, config.sequence_parallel)
+    last = models[-1]
+    if last.post_process and value_head:
+        last.output_layer = ValueHead(config.hidden_size, config.sequence_parallel)
+    elif last.post_process:
+        last.output_layer = VocabParallelHead(last.output_layer)
     return models
