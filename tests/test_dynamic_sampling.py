@@ -90,6 +90,15 @@ def test_groups_that_never_differ_stop_after_max_num_gen_batches_naming_the_keys
         (("rollout.n=4", "rollout.do_sample=false"), "rollout.do_sample=false they never can"),
         (("rollout.n=4", "algorithm.filter_groups.max_num_gen_batches=-1"), "max_num_gen_batches=-1 must be >= 0"),
         (("rollout.n=4", "algorithm.filter_groups.gen_batch_size=0"), "gen_batch_size=0 must be >= 1"),
+        (
+            (
+                "rollout.n=4",
+                "algorithm.filter_groups.gen_batch_size=3",
+                "algorithm.filter_groups.max_num_gen_batches=2",
+            ),
+            r"max_num_gen_batches=2 rounds of gen_batch_size=3 prompts generate fewer groups than the "
+            r"data.train_batch_size=8 .* raise algorithm.filter_groups.max_num_gen_batches",
+        ),
     ],
 )
 def test_filter_settings_that_can_never_fill_a_batch_stop_at_load(tiny_config, overrides, match):

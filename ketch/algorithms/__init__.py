@@ -52,7 +52,12 @@ from ketch.algorithms.policy_losses import (
 )
 from ketch.algorithms.preference import bradley_terry_loss, pairwise_accuracy
 from ketch.algorithms.reward_mix import REWARD_SOURCES, RewardMixer, RunningMeanStd, last_valid_index
-from ketch.algorithms.rollout_correction import ROLLOUT_IS_LEVELS, rollout_is_weights, rollout_mismatch_metrics
+from ketch.algorithms.rollout_correction import (
+    ROLLOUT_IS_LEVELS,
+    rollout_is_weights,
+    rollout_mismatch_metrics,
+    rollout_mismatch_terms,
+)
 
 __all__ = [
     "AGG_MODES",
@@ -102,5 +107,6 @@ __all__ = [
     "robust_compute_advantage",
     "rollout_is_weights",
     "rollout_mismatch_metrics",
+    "rollout_mismatch_terms",
     "value_loss",
 ]

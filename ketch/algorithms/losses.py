@@ -45,7 +45,8 @@ def agg_loss(
     - `seq-mean-token-mean`: Σ over sequences of each sequence's token mean, / num_seqs.
     - `seq-mean-token-sum-norm` (Dr. GRPO): Σ over sequences of token sum / norm_constant (default
       `response_len`, the padded length), / num_seqs.
-    num_seqs defaults to the sequences with at least one valid token; the others add nothing.
+    num_seqs defaults to the rows of `loss_mat`, as in verl's namesake (its `seq-mean` divisor is the local batch
+    size); the engines pass the mini-batch's count of sequences with at least one valid token.
     """
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(AGG_MODES)}")
@@ -60,7 +61,7 @@ def agg_loss(
         per_seq = seq_sums / seq_tokens.clamp(min=1)
     else:
         per_seq = seq_sums / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
-    return per_seq.sum() / _count(num_seqs, (seq_tokens > 0).sum(), masked)
+    return per_seq.sum() / _count(num_seqs, torch.tensor(mask.shape[0]), masked)
 
 
 def policy_loss(

@@ -44,25 +44,33 @@ def rollout_is_weights(
     return torch.where(valid, weights, 0).detach()
 
 
+def rollout_mismatch_terms(
+    log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token `[batch, response_len]`, 0 at masked tokens: |p_train − p_rollout| (the probabilities of the
+    sampled tokens) and the k3 term exp(d) − d − 1 of KL(π_rollout ‖ π_train), d = log_prob − rollout_log_probs
+    clamped to ±20 (the samples come from the rollout)."""
+    check_same_shape("rollout_mismatch", log_prob=log_prob, rollout_log_probs=rollout_log_probs, mask=response_mask)
+    valid = response_mask.bool()
+    diff = torch.where(valid, (log_prob.exp() - rollout_log_probs.exp()).abs(), 0)
+    d = torch.where(valid, log_prob - rollout_log_probs, 0).clamp(-20, 20)
+    return diff, d.exp() - d - 1
+
+
 def rollout_mismatch_metrics(
     old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, float]:
     """How the rollout engine's token probabilities differ from the training engine's, over valid tokens.
 
-    `training/rollout_probs_diff_max` / `_mean`: max and mean of |p_train − p_rollout| (probabilities of the
-    sampled tokens, as verl logs them); `training/rollout_kl`: the k3 estimate of KL(π_rollout ‖ π_train) per
-    token (the samples come from the rollout), exp(d) − d − 1 with d = old_log_prob − rollout_log_probs.
+    `training/rollout_probs_diff_max` / `_mean`: max and mean of |p_train − p_rollout| (as verl logs them);
+    `training/rollout_kl`: the mean k3 estimate of KL(π_rollout ‖ π_train) per token (`rollout_mismatch_terms`).
     """
-    check_same_shape(
-        "rollout_mismatch_metrics", old_log_prob=old_log_prob, rollout_log_probs=rollout_log_probs, mask=response_mask
-    )
     valid = response_mask.bool()
     if not valid.any():
         return {}
-    diff = (old_log_prob.exp() - rollout_log_probs.exp()).abs()[valid]
-    d = torch.where(valid, old_log_prob - rollout_log_probs, 0).clamp(-20, 20)
+    diff, kl = rollout_mismatch_terms(old_log_prob, rollout_log_probs, response_mask)
     return {
         "training/rollout_probs_diff_max": diff.max().item(),
-        "training/rollout_probs_diff_mean": diff.mean().item(),
-        "training/rollout_kl": masked_mean(d.exp() - d - 1, valid).item(),
+        "training/rollout_probs_diff_mean": masked_mean(diff, valid).item(),
+        "training/rollout_kl": masked_mean(kl, valid).item(),
     }

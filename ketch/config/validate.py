@@ -299,6 +299,14 @@ def _dapo(c: KetchConfig) -> str | None:
             f"{c.rollout.n} and rollout.do_sample={str(c.rollout.do_sample).lower()} they never can, so no batch "
             "would ever fill; set rollout.n >= 2 and rollout.do_sample=true"
         )
+    rounds, prompts = f.max_num_gen_batches, f.round_size(c.data.train_batch_size)
+    if f.enable and rounds and rounds * prompts < c.data.train_batch_size:
+        return (
+            f"algorithm.filter_groups: max_num_gen_batches={rounds} rounds of gen_batch_size={prompts} prompts "
+            f"generate fewer groups than the data.train_batch_size={c.data.train_batch_size} informative ones a "
+            "batch needs even if none is dropped; raise algorithm.filter_groups.max_num_gen_batches (0 = no limit) "
+            "or algorithm.filter_groups.gen_batch_size"
+        )
     if o.enable and o.len > c.data.max_response_length:
         return f"reward.overlong_buffer.len={o.len} must be <= data.max_response_length={c.data.max_response_length}"
     return None

@@ -50,3 +50,11 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)
     return value
+
+
+def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
+    """The elementwise maximum of a tensor over all ranks (a no-op in a world of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value

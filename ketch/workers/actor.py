@@ -9,11 +9,19 @@ from pathlib import Path
 
 import torch
 
-from ketch.algorithms import agg_loss, get_policy_loss, kl_penalty, masked_mean, rollout_is_weights
+from ketch.algorithms import (
+    agg_loss,
+    get_policy_loss,
+    kl_penalty,
+    masked_mean,
+    rollout_is_weights,
+    rollout_mismatch_terms,
+)
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
 from ketch.engine.checkpoint import load_engine, save_engine
+from ketch.engine.distributed import all_reduce_max
 from ketch.engine.engine import TrainEngine, compile_enabled
 from ketch.engine.export import gather_hf_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
@@ -142,12 +150,17 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         seed = shuffle_seed(self, self.update_count)
         # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
+        self.mismatch_max = torch.zeros((), device=self.device)
         steps = [
             self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy))
             for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, self._token_budget())
         ]
         self.update_count += 1
         metrics = mean_over_steps(steps, "actor")
+        if "actor/rollout_kl" in metrics:
+            metrics["training/rollout_kl"] = metrics.pop("actor/rollout_kl")
+            metrics["training/rollout_probs_diff_mean"] = metrics.pop("actor/rollout_probs_diff_mean")
+            metrics["training/rollout_probs_diff_max"] = all_reduce_max(self.mismatch_max).item()
         metrics["timing_s/weight_sync"] = self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
 
@@ -160,6 +173,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         metrics = {"pg_loss": pg_loss.detach()} | {k: v.detach() * share for k, v in pg.items()}
         if "old_log_prob" not in b:
             metrics["entropy"] = (out["entropy"].detach() * mask).sum() / num_tokens.clamp(min=1)
+            if "rollout_log_probs" in b:
+                metrics |= self._on_policy_mismatch(out["log_prob"].detach(), b, num_tokens)
         loss = pg_loss
         if a.entropy_coeff:
             entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, **counts)
@@ -172,6 +187,15 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             loss = loss + a.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
+
+    def _on_policy_mismatch(self, log_prob: torch.Tensor, b: dict, num_tokens: torch.Tensor) -> dict:
+        """Without an old-log-prob pass the update's own forward is the training engine's π_old: the rollout
+        mismatch (`rollout_mismatch_terms`) from it, as shares that sum over micro-batches and ranks to the means;
+        the maximum is kept in `self.mismatch_max` for `update_actor`."""
+        diff, kl = rollout_mismatch_terms(log_prob, b["rollout_log_probs"], b["response_mask"])
+        self.mismatch_max = torch.maximum(self.mismatch_max, diff.max())
+        n = num_tokens.clamp(min=1)
+        return {"rollout_probs_diff_mean": diff.sum() / n, "rollout_kl": kl.sum() / n}
 
     def _policy_loss(self, out: dict, b: dict, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The registered `actor.policy_loss`, with truncated importance weights when `actor.rollout_is` is set."""

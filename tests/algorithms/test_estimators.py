@@ -162,6 +162,23 @@ def test_grpo_and_rloo_give_exactly_zero_when_a_group_scores_all_equal():
         assert (adv == 0).all(), compute.__name__
 
 
+def test_dr_grpo_gives_exactly_zero_for_an_all_equal_group_and_ignores_masked_tokens():
+    # group u scores 0.1 + 0.2 three times (all equal → exactly 0, no division by a zero std to guard);
+    # group v: 1 (the masked 9 is ignored) and 0 → mean 0.5, advantages ±0.5 on the valid tokens only
+    rewards = t([[0.1, 0.2]] * 3 + [[1, 9], [0, 0]])
+    mask = torch.tensor([[1, 1]] * 3 + [[1, 0], [1, 1]])
+    adv, _ = compute_grpo_advantage(rewards, mask, ["u", "u", "u", "v", "v"], norm_by_std=False)
+    assert_close(adv, t([[0, 0]] * 3 + [[0.5, 0], [-0.5, -0.5]]))
+    assert (adv[:3] == 0).all()
+
+
+def test_rloo_scores_sum_valid_tokens_and_broadcast_over_them():
+    # scores 1 (masked 5 ignored), 2, 6: leave-one-out baselines 4, 3.5, 1.5 → −3, −1.5, 4.5 on valid tokens
+    rewards, mask = t([[1, 5], [0, 2], [6, 0]]), torch.tensor([[1, 0], [1, 1], [1, 1]])
+    adv, _ = compute_rloo_advantage(rewards, mask, ["g", "g", "g"])
+    assert_close(adv, t([[-3, 0], [-1.5, -1.5], [4.5, 4.5]]))
+
+
 def test_group_ids_may_be_a_list_an_object_array_or_a_tensor():
     expected, _ = compute_grpo_advantage(SCORES, ONE, IDS)
     assert_close(compute_grpo_advantage(SCORES, ONE, IDS.tolist())[0], expected)

@@ -27,18 +27,23 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     ("mode", "expected"),
     [
         ("token-mean", 18 / 5),  # (1 + 2 + 4 + 5 + 6) / 5 valid tokens
-        ("seq-mean-token-sum", 9.0),  # (3 + 15) / 2 sequences with a valid token
-        ("seq-mean-token-mean", 3.25),  # (1.5 + 5) / 2
-        ("seq-mean-token-sum-norm", 3.0),  # (3/3 + 15/3) / 2, normalised by the padded length 3
+        ("seq-mean-token-sum", 6.0),  # (3 + 15 + 0) / 3 rows, as verl divides by the local batch size
+        ("seq-mean-token-mean", 6.5 / 3),  # (1.5 + 5 + 0) / 3
+        ("seq-mean-token-sum-norm", 2.0),  # (3/3 + 15/3 + 0) / 3, normalised by the padded length 3
     ],
 )
-def test_each_agg_mode_ignores_padding_and_empty_sequences(mode, expected):
+def test_each_agg_mode_ignores_padding_and_divides_by_the_rows_as_verl(mode, expected):
     assert_close(agg_loss(LOSS, MASK, mode), torch.tensor(expected))
 
 
+def test_seq_modes_divide_by_the_given_count_of_sequences():
+    # the engines pass the mini-batch's sequences with a valid token: (3 + 15) / 2
+    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum", num_seqs=2), torch.tensor(9.0))
+
+
 def test_seq_mean_token_sum_norm_takes_a_norm_constant():
-    # (3/2 + 15/2) / 2
-    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=2), torch.tensor(4.5))
+    # (3/2 + 15/2 + 0) / 3
+    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=2), torch.tensor(3.0))
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -57,7 +62,7 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch_loss(mode):
     counts = {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum()}
     parts = [slice(0, 1), slice(1, 3), slice(3, 5)]  # uneven split, one micro-batch holds the empty row
     summed = sum(agg_loss(loss_mat[p], mask[p], mode, **counts) for p in parts)
-    assert_close(summed, agg_loss(loss_mat, mask, mode))
+    assert_close(summed, agg_loss(loss_mat, mask, mode, **counts))
 
 
 def test_unknown_agg_mode_lists_the_modes():

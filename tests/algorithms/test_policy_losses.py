@@ -75,6 +75,29 @@ def test_gspo_token_takes_each_tokens_own_advantage():
     assert_close(seq.grad, torch.tensor([[-0.25, -0.25]]))
 
 
+def test_gspo_token_ignores_a_masked_token_in_the_sequence_ratio():
+    # valid log-ratios [0.3, −0.1] (the masked 4.0 is ignored): log s = 0.1, s = 1.1051709 for both tokens;
+    # A = [1, 2] inside [0.8, 1.2] → per-token loss [−1.1051709, −2.2103418], seq-mean-token-mean: −1.6577564;
+    # gradient −A_t·s / 2 = [−0.5525855, −1.1051709], 0 at the masked token
+    log_prob = leaf([[0.3, -0.1, 4.0]])
+    loss, _ = gspo_token_loss(torch.zeros(1, 3), log_prob, torch.tensor([[1.0, 2.0, NAN]]), MASK[:1], **WIDE)
+    loss.backward()
+    assert_close(loss, torch.tensor(-1.6577564))
+    assert_close(log_prob.grad, torch.tensor([[-0.5525855, -1.1051709, 0.0]]))
+
+
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "gspo_token", "cispo"])
+def test_an_all_equal_group_adds_no_loss_and_no_gradient(name):
+    # an all-equal group (or a group of one under dynamic sampling's filter) has advantages 0 on every token;
+    # the second sequence's masked token holds garbage (NaN advantage, huge log-ratio) that must not leak
+    log_prob = leaf([[-0.5, -1.5], [-2.0, 30.0]])
+    advantages, mask = torch.tensor([[0.0, 0.0], [0.0, NAN]]), torch.tensor([[1, 1], [1, 0]])
+    loss, _ = get_policy_loss(name)(torch.full((2, 2), -1.0), log_prob, advantages, mask, loss_agg_mode="token-mean")
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (log_prob.grad == 0).all()
+
+
 def test_gspo_with_no_valid_token_gives_zero_not_nan():
     log_prob = leaf([[0.3, 0.3]])
     loss, metrics = gspo_loss(torch.zeros(1, 2), log_prob, torch.ones(1, 2), torch.zeros(1, 2))
