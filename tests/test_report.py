@@ -19,6 +19,8 @@ import torch
 from ketch.cli import main
 from ketch.config import load_config
 from ketch.report import write_report
+from ketch.report.run import RunRecord
+from ketch.report.summary import summarize
 from ketch.tracking import read_metrics
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.ppo import PPOTrainer
@@ -256,3 +258,14 @@ class Chromium:
             e["params"]["entry"]["text"] for e in self._of("Log.entryAdded") if e["params"]["entry"]["level"] == "error"
         ]
         return errors
+
+
+def test_the_summary_shows_the_tool_call_and_error_rates(tmp_path):
+    steps = [
+        {"step": s, "multi_turn/tool_call_rate": rate, "multi_turn/tool_error_rate": errors}
+        for s, rate, errors in [(1, 0.5, 0.4), (2, 1.0, 0.2), (3, 1.0, 0.0)]
+    ]
+    text = summarize(RunRecord(tmp_path, steps, [], [], {}))
+    # Means of the first and last (up to) ten steps: all three here.
+    assert "tool-call rate (trajectories with a call): 0.833 (first 3 steps) -> 0.833 (last 3)" in text
+    assert "tool error rate (errors per call): 0.200 (first 3 steps) -> 0.200 (last 3)" in text

@@ -261,6 +261,9 @@ class MultiTurnConfig:
     chat template)."""
     max_turns: int = 4
     """Model turns per trajectory at most."""
+    max_tokens_per_turn: int | None = None
+    """Tokens one model turn may sample at most; the whole trajectory (turns, tool results and template glue)
+    stays within data.max_response_length. None = a turn may use all that is left of it."""
     tool_timeout: float = 10.0
     """Seconds a tool call may take before its reply is a timeout error."""
 

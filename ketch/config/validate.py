@@ -78,7 +78,11 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
     },
     RefConfig: {"log_prob_micro_batch_size_per_device": COUNT},
     ValSamplingConfig: {"n": COUNT, "temperature": POSITIVE},
-    MultiTurnConfig: {"max_turns": COUNT, "tool_timeout": POSITIVE},
+    MultiTurnConfig: {
+        "max_turns": COUNT,
+        "max_tokens_per_turn": (COUNT, "null lets a turn use what is left of data.max_response_length"),
+        "tool_timeout": POSITIVE,
+    },
     RolloutConfig: {
         "n": COUNT,
         "temperature": (POSITIVE, "use rollout.do_sample=false for greedy decoding"),

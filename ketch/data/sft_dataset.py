@@ -1,6 +1,10 @@
 """`SFTDataset`: prompt/response pairs for supervised fine-tuning, with a loss mask on the response.
 
-Each sequence is prompt tokens + response tokens + EOS; the loss covers the response and the EOS.
+Each sequence is prompt tokens + response tokens + EOS; the loss covers the response and the EOS. A response
+may also be a list of messages that continues the conversation (assistant turns, tool results, user replies):
+it is tokenized as a multi-turn rollout holds it (`conversation_tokens`), each assistant turn ending with EOS
+(or, given `turn_stop`, the end of a tool call), and the loss covers the assistant turns only, never a tool
+result or the template around it.
 A sequence longer than `max_prompt_length + max_response_length` is handled per `data.truncation`:
 `left` drops tokens from the start (the prompt side, keeping the response whole where it fits),
 `right` drops tokens from the end (the response's tail, then its EOS, is lost), `error` raises.
@@ -17,6 +21,8 @@ from torch.utils.data import Dataset
 from ketch.config.schema import DataConfig
 from ketch.data.batching import PackedSequences, encode, pad, pad_token_id, position_ids
 from ketch.data.builtin.files import resolve_data_files
+from ketch.data.chat_templates import to_messages
+from ketch.data.conversation import ChatRenderer, conversation_tokens
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
@@ -25,11 +31,15 @@ from ketch.data.values import object_array
 
 class SFTDataset(Dataset):
     """Prompt/response pairs of one split. Item `i` is a dict of 1-D tensors `[seq_len_i]` (unpadded):
-    `input_ids`, `attention_mask` (ones), `loss_mask` (0 on the prompt, 1 on the response and EOS),
-    and `index` (int: the row's position in the concatenated files).
+    `input_ids`, `attention_mask` (ones), `loss_mask` (0 on the prompt, 1 on the response and EOS; for a
+    message-list response 1 on the assistant turns only), and `index` (int: the row's position in the
+    concatenated files). `turn_stop`: the strings after which a rollout's turn ends (`</tool_call>`), where an
+    assistant turn gets no EOS.
     """
 
-    def __init__(self, data_files: str | list[str], tokenizer: Any, config: DataConfig) -> None:
+    def __init__(
+        self, data_files: str | list[str], tokenizer: Any, config: DataConfig, turn_stop: tuple[str, ...] = ()
+    ) -> None:
         if tokenizer.eos_token_id is None:
             raise DatasetError("SFTDataset ends every response with EOS, but the tokenizer has no EOS token")
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
@@ -38,8 +48,9 @@ class SFTDataset(Dataset):
         rows = read_parquet_files(files, required=required)
         row_ids = first_rows(rows, config)
         prompts = encode(tokenizer, prompt_texts(rows, row_ids, tokenizer, config))
-        responses = encode(tokenizer, _responses(rows, row_ids, config.response_key))
-        sequences = [p + r + [tokenizer.eos_token_id] for p, r in zip(prompts, responses, strict=True)]
+        responses = _responses(rows, row_ids, tokenizer, config, turn_stop)
+        sequences = [p + r for p, (r, _) in zip(prompts, responses, strict=True)]
+        loss_masks = [[0] * len(p) + m for p, (_, m) in zip(prompts, responses, strict=True)]
         lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
         limit = config.max_prompt_length + config.max_response_length
         setting = "data.max_prompt_length + data.max_response_length"
@@ -47,9 +58,8 @@ class SFTDataset(Dataset):
         self.num_filtered = int((~keep).sum())
         self.row_ids = row_ids[keep]
         kept = np.flatnonzero(keep)
-        cut = [_truncate(sequences[k], len(prompts[k]), limit, config.truncation) for k in kept]
-        self.input_ids = PackedSequences([sequence for sequence, _ in cut])
-        self.prompt_lengths = np.array([prompt_length for _, prompt_length in cut], dtype=np.int64)
+        self.input_ids = PackedSequences([_truncate(sequences[k], limit, config.truncation) for k in kept])
+        self.loss_masks = PackedSequences([_truncate(loss_masks[k], limit, config.truncation) for k in kept])
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -57,11 +67,10 @@ class SFTDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         i = range(len(self))[i]
         input_ids = self.input_ids[i]
-        loss_mask = (torch.arange(len(input_ids)) >= int(self.prompt_lengths[i])).long()
         return {
             "input_ids": input_ids,
             "attention_mask": torch.ones_like(input_ids),
-            "loss_mask": loss_mask,
+            "loss_mask": self.loss_masks[i],
             "index": int(self.row_ids[i]),
         }
 
@@ -79,21 +88,36 @@ class SFTDataset(Dataset):
         }
 
 
-def _truncate(sequence: list[int], prompt_length: int, limit: int, side: str) -> tuple[list[int], int]:
-    """`sequence` cut to `limit` tokens (`left`: drop from the start, else from the end) and its new prompt length."""
+def _truncate(sequence: list[int], limit: int, side: str) -> list[int]:
+    """`sequence` cut to `limit` tokens (`left`: drop from the start, else from the end)."""
     excess = max(len(sequence) - limit, 0)
-    if side == "left":
-        return sequence[excess:], max(prompt_length - excess, 0)
-    return sequence[: len(sequence) - excess], min(prompt_length, limit)
+    return sequence[excess:] if side == "left" else sequence[: len(sequence) - excess]
 
 
-def _responses(rows: Rows, row_ids: np.ndarray, key: str) -> list[str]:
-    """The response text of each row; a cell that is not a string names its file and row."""
-    column = rows.columns[key]
+def _responses(
+    rows: Rows, row_ids: np.ndarray, tokenizer: Any, config: DataConfig, turn_stop: tuple[str, ...]
+) -> list[tuple[list[int], list[int]]]:
+    """(ids, loss_mask) of each row's response: a string and EOS (all trained), or a message list (assistant
+    turns trained); a cell that is neither names its file and row."""
+    column, key = rows.columns[config.response_key], config.response_key
+    eos = tokenizer.eos_token_id
+    texts = {row: column[row] for row in row_ids if isinstance(column[row], str)}
+    encoded = dict(zip(texts, encode(tokenizer, list(texts.values())), strict=True)) if texts else {}
+    renderer = None
+    responses = []
     for row in row_ids:
-        if not isinstance(column[row], str):
+        if row in encoded:
+            ids = [*encoded[row], eos]
+            responses.append((ids, [1] * len(ids)))
+            continue
+        where = f"{rows.locate(row)}, column {key!r} (data.response_key)"
+        if not isinstance(column[row], list | tuple | np.ndarray):
             raise DatasetError(
-                f"{rows.locate(row)}, column {key!r} (data.response_key): the response must be a string, "
-                f"got {type(column[row]).__name__}"
+                f"{where}: the response must be a string or a list of messages, got {type(column[row]).__name__}"
             )
-    return [column[row] for row in row_ids]
+        try:
+            renderer = renderer or ChatRenderer(tokenizer, config.chat_template)
+            responses.append(conversation_tokens(renderer, to_messages(column[row]), eos, turn_stop))
+        except ValueError as e:
+            raise DatasetError(f"{where}: {e}") from None
+    return responses

@@ -24,7 +24,10 @@ class Rollout(ABC):
     to and including its first stop token), the concatenated `input_ids`/`attention_mask`/`position_ids`
     `[batch, prompt_len + response_len]`, and `rollout_log_probs` `[batch, response_len]` (the sampled
     tokens' log-probs at the sampling temperature). `meta_info` may override `do_sample` and
-    `temperature` for one call (validation decodes greedily)."""
+    `temperature` for one call (validation decodes greedily), and may give `max_new_tokens` (at most
+    `data.max_response_length`) and `stop` (strings that end a response, such as the end of a tool call), as
+    the multi-turn loop does for each turn: a backend stops there where it can, else decodes on, and the
+    caller cuts each response after its first stop string and to its budget."""
 
     @abstractmethod
     def generate(self, prompts: DataProto) -> DataProto: ...
@@ -77,6 +80,13 @@ def call_sampling(prompts: DataProto, config: RolloutConfig) -> tuple[bool, floa
     """(do_sample, temperature) of one `generate` call: `meta_info` overrides the config; greedy gets 1.0."""
     do_sample = prompts.meta_info.get("do_sample", config.do_sample)
     return do_sample, prompts.meta_info.get("temperature", config.temperature) if do_sample else 1.0
+
+
+def call_limits(prompts: DataProto, max_response_length: int) -> tuple[int, list[str]]:
+    """(max_new_tokens, stop strings) of one `generate` call: `meta_info` may lower the first and give the second."""
+    return min(prompts.meta_info.get("max_new_tokens", max_response_length), max_response_length), list(
+        prompts.meta_info.get("stop", ())
+    )
 
 
 def rollout_output(

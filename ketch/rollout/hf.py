@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
 from ketch.protocol import DataProto
-from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output
+from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 
@@ -27,7 +27,7 @@ class HFRollout(Rollout):
         self.model = model.to(device).eval()
         self.config = config.rollout
         self.max_response_length = config.data.max_response_length
-        self.pad_token_id = tokenizer.pad_token_id
+        self.tokenizer, self.pad_token_id = tokenizer, tokenizer.pad_token_id
         self.stop_token_ids = stop_token_ids(tokenizer, model_path, config.rollout.stop_token_ids)
         static = config.rollout.hf_decoding == "static" or (
             config.rollout.hf_decoding == "auto" and device.type == "cuda"
@@ -39,21 +39,24 @@ class HFRollout(Rollout):
         do_sample, temperature = call_sampling(prompts, self.config)
         prompts = prompts.to(next(self.model.parameters()).device)
         decode = self._decode_static if self.decoder is not None else self._decode_generate
-        responses, log_probs = decode(prompts, do_sample, temperature)
+        responses, log_probs = decode(prompts, do_sample, temperature, *call_limits(prompts, self.max_response_length))
         stops = None if self.config.ignore_eos else self.stop_token_ids
         return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
 
-    def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float):
+    def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
         prompt_ids = prompts.batch["input_ids"]
         out = self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompts.batch["attention_mask"],
-            generation_config=self._generation_config(do_sample, temperature),
+            generation_config=self._generation_config(do_sample, temperature, max_new, stop),
+            tokenizer=self.tokenizer if stop else None,
         )
         responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
         return responses, self._log_probs(out.logits, responses, temperature)
 
-    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float):
+    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
+        """Decodes `data.max_response_length` tokens or to a stop token, past `max_new` and any stop string (the
+        caller cuts there): one length keeps the compiled shapes few."""
         r = self.config
         sampling = Sampling(do_sample, temperature, r.top_p, r.top_k)
         stops = None if r.ignore_eos else self.stop_token_ids
@@ -62,10 +65,13 @@ class HFRollout(Rollout):
             b["input_ids"], b["attention_mask"], self.max_response_length, sampling, stops, self.pad_token_id
         )
 
-    def _generation_config(self, do_sample: bool, temperature: float) -> GenerationConfig:
+    def _generation_config(
+        self, do_sample: bool, temperature: float, max_new: int, stop: list[str]
+    ) -> GenerationConfig:
         sampling = {"temperature": temperature, "top_p": self.config.top_p, "top_k": self.config.top_k}
         return GenerationConfig(
-            max_new_tokens=self.max_response_length,
+            max_new_tokens=max_new,
+            stop_strings=stop or None,
             do_sample=do_sample,
             **(sampling if do_sample else {}),
             eos_token_id=None if self.config.ignore_eos else self.stop_token_ids,

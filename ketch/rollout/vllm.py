@@ -18,7 +18,7 @@ from ketch.config.schema import KetchConfig
 from ketch.models import stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout import vllm_adapter as adapter
-from ketch.rollout.base import Rollout, call_sampling, register_rollout, rollout_output
+from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -64,25 +64,29 @@ class VLLMRollout(Rollout):
         do_sample, temperature = call_sampling(prompts, self.config)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         requests = adapter.token_prompts([row[keep].tolist() for row, keep in zip(ids, mask, strict=True)])
-        outputs = self.engine.generate(requests, self._sampling(do_sample, temperature), use_tqdm=False)
+        sampling = self._sampling(do_sample, temperature, *call_limits(prompts, self.max_response_length))
+        outputs = self.engine.generate(requests, sampling, use_tqdm=False)
         samples = [out.outputs[0] for out in outputs]
         responses = self._pad([s.token_ids for s in samples], self.pad_token_id, torch.long)
         log_probs = self._pad([[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)] for s in samples])
         stops = None if self.config.ignore_eos else self.stop_token_ids
         return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
 
-    def _sampling(self, do_sample: bool, temperature: float):
+    def _sampling(self, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
+        """vLLM's sampling settings; stop strings need its detokenizer (kept in the output, as sampled)."""
         r = self.config
+        stop_settings = {"stop": stop, "include_stop_str_in_output": True} if stop else {}
         return adapter.sampling_params(
             n=1,
             temperature=temperature if do_sample else 0.0,
             top_p=r.top_p if do_sample else 1.0,
             top_k=r.top_k if do_sample else 0,
-            max_tokens=self.max_response_length,
+            max_tokens=max_new,
             stop_token_ids=[] if r.ignore_eos else self.stop_token_ids,
             ignore_eos=r.ignore_eos,
             logprobs=0,
-            detokenize=False,
+            detokenize=bool(stop),
+            **stop_settings,
         )
 
     def _pad(self, rows: list, value: float = 0.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

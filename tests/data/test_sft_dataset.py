@@ -44,6 +44,36 @@ def test_chat_prompt_is_formatted_before_the_response(write_rows, tokenizer):
     assert item["loss_mask"].tolist() == [0] * 22 + [1] * 7
 
 
+CONVERSATION = [
+    {"role": "assistant", "content": "<c>3*4</c>"},
+    {"role": "tool", "content": "12"},
+    {"role": "assistant", "content": "#### 12"},
+]
+
+
+def test_a_conversation_response_trains_the_assistant_turns_only(write_rows, tokenizer):
+    path = write_rows([{"prompt": [{"role": "user", "content": "3*4="}], "response": CONVERSATION}])
+    config = DataConfig(max_response_length=64)
+    item = SFTDataset(path, tokenizer, config)[0]
+    text = "user: 3*4=\nassistant: <c>3*4</c><eos>\ntool: 12\nassistant: #### 12<eos>"
+    assert tokenizer.decode(item["input_ids"]) == text
+    # prompt 22, "<c>3*4</c>" + EOS 11 (trained), glue "\ntool: 12\nassistant: " 21, "#### 12" + EOS 8 (trained)
+    assert item["loss_mask"].tolist() == [0] * 22 + [1] * 11 + [0] * 21 + [1] * 8
+    # A turn that ends with a stop string (the end of a tool call) ends there, as a rollout's turn does: no EOS.
+    item = SFTDataset(path, tokenizer, config, turn_stop=("</c>",))[0]
+    assert tokenizer.decode(item["input_ids"]) == text.replace("</c><eos>", "</c>", 1)
+    assert item["loss_mask"].tolist() == [0] * 22 + [1] * 10 + [0] * 21 + [1] * 8
+
+
+def test_a_conversation_response_must_end_with_the_assistant(write_rows, tokenizer):
+    path = write_rows([{"prompt": "3*4=", "response": CONVERSATION[:2]}])
+    expected = "the response must begin and end with an assistant message; its roles: ['assistant', 'tool']"
+    with pytest.raises(DatasetError, match=re.escape(f"{path}, row 0, column 'response' (data.response_key): ")):
+        SFTDataset(path, tokenizer, DataConfig())
+    with pytest.raises(DatasetError, match=re.escape(expected)):
+        SFTDataset(path, tokenizer, DataConfig())
+
+
 def test_response_key_picks_the_column(write_rows, tokenizer):
     path = write_rows([{"prompt": "1+2=", "target": "#### 3"}])
     item = SFTDataset(path, tokenizer, DataConfig(response_key="target"))[0]
@@ -96,7 +126,10 @@ def test_missing_response_column_is_named(write_rows, tokenizer):
 
 def test_response_that_is_not_a_string_names_file_and_row(write_rows, tokenizer):
     path = write_rows([{"prompt": "1+2=", "response": "#### 3"}, {"prompt": "7=", "response": None}])
-    expected = f"{path}, row 1, column 'response' (data.response_key): the response must be a string, got NoneType"
+    expected = (
+        f"{path}, row 1, column 'response' (data.response_key): "
+        "the response must be a string or a list of messages, got NoneType"
+    )
     with pytest.raises(DatasetError, match=re.escape(expected)):
         SFTDataset(path, tokenizer, DataConfig())
 

@@ -17,7 +17,9 @@ from ketch.workers import ActorRolloutRefWorker
 
 ENVIRONMENT = '''
 class Nudge:
-    """Asks the model to go on twice, then gives reward 1 per turn it took."""
+    """Asks the model to go on twice, then gives reward 1 per turn it took. A turn also ends after a digit."""
+
+    stop = tuple("0123456789")
 
     def reset(self, row):
         self.turns = 0
@@ -68,6 +70,10 @@ def check_multi_turn_generation(config) -> None:
     old = group.compute_log_prob(data).batch["old_log_prob"]
     torch.testing.assert_close(old[mask], b["rollout_log_probs"][mask], atol=1e-4, rtol=0)
     assert (b["rollout_log_probs"][~mask] == 0).all()
+    # A turn that writes a digit (the environment's stop strings) ends right after it.
+    turns = [m["content"] for messages in c["messages"] for m in messages if m["role"] == "assistant"]
+    assert any(turn[-1:].isdigit() for turn in turns)
+    assert not any(char.isdigit() for turn in turns for char in turn[:-1])
     group.shutdown()
 
 

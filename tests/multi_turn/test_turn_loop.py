@@ -73,15 +73,16 @@ def test_two_tool_calls_mask_exactly_the_sampled_tokens():
     b, c = out.batch, out.non_tensor_batch
     # Prompt "user: 3*4=\nassistant: " is 22 characters = 22 tokens, left-padded to 32.
     assert b["prompts"].shape == (2, 32) and b["attention_mask"][0, :32].sum() == 22
-    # Turn 1: the call (80 characters) + EOS = 81 sampled; glue "\ntool: 12\nassistant: " = 21;
-    # turn 2: the call with "12+1" (81) + EOS = 82; glue "\ntool: 13\nassistant: " = 21; "#### 13" + EOS = 8.
-    expected_mask = [1] * 81 + [0] * 21 + [1] * 82 + [0] * 21 + [1] * 8 + [0] * (240 - 213)
+    # Turn 1: the call (80 characters; the turn ends at "</tool_call>", the policy's EOS after it is cut);
+    # glue "\ntool: 12\nassistant: " = 21; turn 2: the call with "12+1" (81); glue "\ntool: 13\nassistant: "
+    # = 21; "#### 13" + EOS = 8.
+    expected_mask = [1] * 80 + [0] * 21 + [1] * 81 + [0] * 21 + [1] * 8 + [0] * (240 - 211)
     assert b["response_mask"][0].tolist() == expected_mask
-    assert b["attention_mask"][0, 32:].tolist() == [1] * 213 + [0] * 27
+    assert b["attention_mask"][0, 32:].tolist() == [1] * 211 + [0] * 29
     tokenizer = build_char_tokenizer()
-    glue = tokenizer.decode(b["responses"][0, 81:102].tolist())
+    glue = tokenizer.decode(b["responses"][0, 80:101].tolist())
     assert glue == "\ntool: 12\nassistant: "
-    assert b["rollout_log_probs"][0].sum().item() == pytest.approx(LOG_PROB * (81 + 82 + 8))
+    assert b["rollout_log_probs"][0].sum().item() == pytest.approx(LOG_PROB * (80 + 81 + 8))
     assert (b["rollout_log_probs"][0][b["response_mask"][0] == 0] == 0).all()
     # The row without a call ends after its one turn: "#### 7" + EOS.
     assert b["response_mask"][1].tolist() == [1] * 7 + [0] * 233
@@ -101,31 +102,44 @@ def test_a_tool_result_changes_no_gradient():
         b["rollout_log_probs"], log_prob, advantages, b["response_mask"], loss_agg_mode="token-mean"
     )
     loss.backward()
-    # On-policy (ratio 1), the token-mean of -ratio * advantage over the 171 sampled tokens: -1/171 on each,
+    # On-policy (ratio 1), the token-mean of -ratio * advantage over the 169 sampled tokens: -1/169 on each,
     # 0 on the 42 tool-result and glue tokens and on the padding.
     grad, mask = log_prob.grad[0], b["response_mask"][0]
     assert grad[mask == 0].abs().max().item() == 0.0
-    torch.testing.assert_close(grad[mask == 1], torch.full((171,), -1 / 171))
+    torch.testing.assert_close(grad[mask == 1], torch.full((169,), -1 / 169))
 
 
 def test_max_turns_and_the_length_budget_cut_trajectories():
     out, _ = run(["3*4="], "rollout.multi_turn.max_turns=2")
-    assert out.batch["response_mask"][0].sum().item() == 81 + 82
-    assert out.batch["attention_mask"][0, 32:].sum().item() == 81 + 21 + 82
+    assert out.batch["response_mask"][0].sum().item() == 80 + 81
+    assert out.batch["attention_mask"][0, 32:].sum().item() == 80 + 21 + 81
     assert out.non_tensor_batch["cut_by_max_turns"].tolist() == [1.0]
     out, _ = run(["3*4="], "data.max_response_length=100")
-    # 81 sampled, then the 21-token glue is cut to the 19 tokens left.
-    assert out.batch["response_mask"][0].tolist() == [1] * 81 + [0] * 19
+    # 80 sampled, then the 21-token glue is cut to the 20 tokens left.
+    assert out.batch["response_mask"][0].tolist() == [1] * 80 + [0] * 20
     assert out.non_tensor_batch["cut_by_length"].tolist() == [1.0]
     assert out.non_tensor_batch["num_turns"].tolist() == [1]
 
 
+def test_a_turn_stops_at_its_token_budget():
+    out, _ = run(["3*4=", "2+5="], "rollout.multi_turn.max_tokens_per_turn=50", "data.max_response_length=600")
+    b, c = out.batch, out.non_tensor_batch
+    # Each call is cut after 50 of its 80 characters: an unclosed call, answered with an error; the answer
+    # "#### 13" and EOS (8 tokens) fit. Sampled: 50 + 50 + 8.
+    assert b["response_mask"][0, :51].tolist() == [1] * 50 + [0]
+    assert b["response_mask"][0].sum().item() == 108
+    assert c["messages"][0][1]["content"] == CALL.format("3*4")[:50]
+    assert c["messages"][0][2]["content"].startswith("error: ValueError: the tool call is not valid JSON")
+    assert c["num_turns"].tolist() == [3, 1] and c["tool_errors"].tolist() == [2, 0]
+    assert b["response_mask"][1].tolist() == [1] * 7 + [0] * 593  # "#### 7" and EOS
+
+
 def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
-    """The SFT warm-up teaches exactly the token layout the turn loop produces: the call, EOS, the glue with
-    the tool's reply, the answer, EOS."""
+    """The SFT warm-up teaches exactly the token layout the turn loop produces (the call, EOS, the glue with
+    the tool's reply, the answer, EOS) with the loss where the rollout's response_mask is: never on the glue."""
     config = load_config(overrides=["data.max_prompt_length=32", "data.max_response_length=128"])
     val = builtin_calculator_files()["val"]
-    demo = SFTDataset(str(val), build_char_tokenizer(), config.data)[0]
+    demo = SFTDataset(str(val), build_char_tokenizer(), config.data, turn_stop=("</tool_call>",))[0]
     row = RLHFDataset(str(val), build_char_tokenizer(), config.data)[0]
     question = row["raw_prompt"][0]["content"]
     expression, answer = question.removesuffix("="), row["ground_truth"]
@@ -135,7 +149,12 @@ def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
     prompt_ids = b["prompts"][0][b["attention_mask"][0, :32].bool()].tolist()
     response_ids = b["responses"][0][b["attention_mask"][0, 32:].bool()].tolist()
     assert prompt_ids + response_ids == demo["input_ids"].tolist()
-    assert b["response_mask"][0].sum().item() == demo["loss_mask"].sum().item() - len(f"\ntool: {answer}\nassistant: ")
+    response_mask = b["response_mask"][0][: len(response_ids)].tolist()
+    assert demo["loss_mask"].tolist() == [0] * len(prompt_ids) + response_mask
+    # The call (77 characters and the expression; no EOS: the turn ends at "</tool_call>"), the glue, the
+    # answer and EOS.
+    glue = len(f"\ntool: {answer}\nassistant: ")
+    assert response_mask == [1] * (77 + len(expression)) + [0] * glue + [1] * (len(f"#### {answer}") + 1)
 
 
 REWARD = """
@@ -152,5 +171,5 @@ def test_the_reward_function_sees_the_whole_trajectory(tmp_path):
     scores, info = RewardScorer(build_char_tokenizer(), f"{tmp_path / 'reward.py'}:score")(out)
     assert info["scores"].tolist() == [1.0, 0.0]
     assert info["extra"]["saw_tool"].tolist() == [1.0, 0.0] and info["extra"]["messages"].tolist() == [6.0, 2.0]
-    # The score sits on the last sampled token: the EOS after "#### 13", position 212 of the response.
-    assert scores[0].nonzero().flatten().tolist() == [212]
+    # The score sits on the last sampled token: the EOS after "#### 13", position 210 of the response.
+    assert scores[0].nonzero().flatten().tolist() == [210]

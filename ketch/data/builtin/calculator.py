@@ -1,6 +1,7 @@
 """The built-in tool task: multiplications such as `347*58=` that the tiny model cannot do in its head but
 can with the `calculate` tool. Each row's `response` is a demonstration of the call format (for the SFT
-warm-up): the call, the tool's reply as the `plain` chat template writes it, and the answer.
+warm-up), the conversation after the prompt: the call, the tool's reply, and the answer. SFT trains on the two
+assistant turns only (the tool's reply is the environment's, as in a rollout).
 
 `builtin:calculator/{train,val}` resolve to Parquet files generated once into the user cache.
 """
@@ -34,16 +35,19 @@ class CalculatorTask:
     seed: int = 0
 
     def settings_hash(self) -> str:
-        return hashlib.sha256(json.dumps({**asdict(self), "format": 2}, sort_keys=True).encode()).hexdigest()[:12]
+        return hashlib.sha256(json.dumps({**asdict(self), "format": 3}, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def demonstration(a: int, b: int, eos_token: str) -> str:
-    """What the model should write and read after the prompt `a*b=`: the call, EOS, the tool's reply (the
-    `plain` template's tool message), and the answer."""
-    return f"{CALL.format(f'{a}*{b}')}{eos_token}\ntool: {a * b}\nassistant: #### {a * b}"
+def demonstration(a: int, b: int) -> list[dict[str, str]]:
+    """The messages after the prompt `a*b=`: the model's call, the tool's reply, the model's answer."""
+    return [
+        {"role": "assistant", "content": CALL.format(f"{a}*{b}")},
+        {"role": "tool", "name": "calculate", "content": str(a * b)},
+        {"role": "assistant", "content": f"#### {a * b}"},
+    ]
 
 
-def generate_calculator_task(task: CalculatorTask, eos_token: str = "<eos>") -> dict[str, list[dict[str, Any]]]:
+def generate_calculator_task(task: CalculatorTask) -> dict[str, list[dict[str, Any]]]:
     """Rows of each split (distinct problems across splits; validation drawn first)."""
     rng = random.Random(task.seed)
     seen: set[tuple[int, int]] = set()
@@ -54,7 +58,7 @@ def generate_calculator_task(task: CalculatorTask, eos_token: str = "<eos>") -> 
     rows = [
         {
             "prompt": [{"role": "user", "content": f"{a}*{b}="}],
-            "response": demonstration(a, b, eos_token),
+            "response": demonstration(a, b),
             "answer": str(a * b),
             "data_source": DATA_SOURCE,
         }

@@ -33,6 +33,7 @@ __all__ = [
     "resolve_tools",
     "tool",
     "trajectory_metrics",
+    "turn_stop_strings",
     "with_multi_turn",
 ]
 
@@ -54,6 +55,15 @@ def environment_factory(config: KetchConfig, tokenizer):
     tools = resolve_tools(list(mt.tools))
     parser = get_parser(mt.format, getattr(tokenizer, "chat_template", None))
     return lambda: ToolEnvironment(tools, parser, mt.tool_timeout)
+
+
+def turn_stop_strings(config: KetchConfig, tokenizer) -> tuple[str, ...]:
+    """The strings after which a turn of the tool environment ends (the parser's end of a tool call), for
+    demonstrations that match the rollout; none without `rollout.multi_turn.enable` or with a user environment."""
+    mt = config.rollout.multi_turn
+    if not mt.enable or mt.environment:
+        return ()
+    return get_parser(mt.format, getattr(tokenizer, "chat_template", None)).stop
 
 
 def load_environment_class(spec: str) -> type:

@@ -24,7 +24,8 @@ class Environment(Protocol):
     """One trajectory's counterpart. `reset(row)` gets the dataset row (its columns by name) and returns the
     opening messages; `step(messages)` gets the conversation so far (the model's turn last) and returns
     (messages to append, reward or None, done). Optional attributes: `tools` (JSON schemas the chat template
-    shows the model) and `stats` (numbers summed into the rollout metrics)."""
+    shows the model), `stop` (strings after which the model's turn ends, e.g. the end of a tool call) and
+    `stats` (numbers summed into the rollout metrics)."""
 
     def reset(self, row: dict[str, Any]) -> list[Message]: ...
 
@@ -46,6 +47,7 @@ class ToolEnvironment:
 
     def __init__(self, tools: dict[str, Tool], parser: Parser, timeout: float):
         self.all_tools, self.parser, self.timeout = tools, parser, timeout
+        self.stop = getattr(parser, "stop", ())
         self.tools_by_name = tools
         self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_time": 0.0}
 

@@ -3,14 +3,18 @@
 Each call generates one turn for every unfinished trajectory in one batched `generate`; each trajectory's
 environment then answers its turn (tool results, feedback), the answer's tokens are appended, and the
 trajectory goes on until its environment is done, `max_turns` turns, or `data.max_response_length` tokens.
-Token-in, token-out: sampled tokens are kept as sampled, the rest is tokenized once (`ChatRenderer`).
+A turn ends at a stop token, after its environment's stop string (the end of a tool call), or after
+`rollout.multi_turn.max_tokens_per_turn` tokens. Token-in, token-out: sampled tokens are kept as sampled, the
+rest is tokenized once (`ChatRenderer`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -18,11 +22,11 @@ import torch
 from torch import nn
 
 from ketch.config.schema import KetchConfig
+from ketch.data.conversation import ChatRenderer
 from ketch.data.values import object_array
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout
 from ketch.rollout.multi_turn.environment import Environment
-from ketch.rollout.multi_turn.render import ChatRenderer
 
 TRAJECTORY_COLUMNS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "cut_by_max_turns")
 """Per-trajectory numbers the rollout returns as non-tensor columns (float64 `[batch]`), besides `messages`,
@@ -35,6 +39,7 @@ class Trajectory:
 
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
+    stop: tuple[str, ...] = ()
     tokens: list[int] = field(default_factory=list)
     sampled: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -61,6 +66,7 @@ class MultiTurnRollout(Rollout):
     def __init__(self, backend: Rollout, config: KetchConfig, tokenizer, new_environment: Callable[[], Environment]):
         self.backend, self.tokenizer, self.new_environment = backend, tokenizer, new_environment
         self.max_turns = config.rollout.multi_turn.max_turns
+        self.max_tokens_per_turn = config.rollout.multi_turn.max_tokens_per_turn
         self.max_prompt_length = config.data.max_prompt_length
         self.max_response_length = config.data.max_response_length
         self.renderer = ChatRenderer(tokenizer, config.data.chat_template)
@@ -108,23 +114,32 @@ class MultiTurnRollout(Rollout):
                 f"multi-turn rollout, row {index}: the prompt rendered with its tools is {len(ids)} tokens, over "
                 f"data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length"
             )
-        return Trajectory(ids, list(messages))
+        return Trajectory(ids, list(messages), tuple(getattr(env, "stop", ())))
 
     def _sample_turn(self, trajectories: list[Trajectory], meta_info: dict) -> None:
-        """One batched `generate` over the trajectories so far; appends each one's turn (cut to the budget)."""
+        """One batched `generate` over the trajectories so far; appends each one's turn, cut after its first
+        stop string and to its token budget."""
         contexts = [t.prompt_ids + t.tokens for t in trajectories]
-        batch = _left_padded(contexts, self.tokenizer.pad_token_id)
-        out = self.backend.generate(DataProto.from_dict(batch, meta_info=meta_info))
+        budgets = [self._turn_budget(t) for t in trajectories]
+        stop = sorted({s for t in trajectories for s in t.stop})
+        meta_info = {**meta_info, "max_new_tokens": max(budgets), "stop": stop}
+        out = self.backend.generate(
+            DataProto.from_dict(_left_padded(contexts, self.tokenizer.pad_token_id), meta_info=meta_info)
+        )
         mask = out.batch["response_mask"].bool().cpu()
-        for t, row, keep, log_probs in zip(
-            trajectories, out.batch["responses"].cpu(), mask, out.batch["rollout_log_probs"].cpu(), strict=True
+        for t, budget, row, keep, log_probs in zip(
+            trajectories, budgets, out.batch["responses"].cpu(), mask, out.batch["rollout_log_probs"].cpu(), strict=True
         ):
-            budget = self.max_response_length - len(t.tokens)
-            tokens, log_probs = row[keep][:budget].tolist(), log_probs[keep][:budget].tolist()
-            t.extend(tokens, log_probs)
+            tokens = row[keep][:budget].tolist()
+            tokens = tokens[: _end_of_first_stop(tokens, t.stop, self.tokenizer)]
+            t.extend(tokens, log_probs[keep][: len(tokens)].tolist())
             t.num_turns += 1
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             t.messages.append({"role": "assistant", "content": text})
+
+    def _turn_budget(self, t: Trajectory) -> int:
+        left = self.max_response_length - len(t.tokens)
+        return left if self.max_tokens_per_turn is None else min(left, self.max_tokens_per_turn)
 
     def _output(self, trajectories: list[Trajectory], envs: list[Environment], device: torch.device) -> DataProto:
         pad, width = self.tokenizer.pad_token_id, self.max_response_length
@@ -166,6 +181,16 @@ def _step(index: int, env: Environment, messages: list[dict[str, Any]]) -> tuple
         return env.step(messages)
     except Exception as exc:
         raise RuntimeError(f"multi-turn rollout, row {index}: the environment's step failed: {exc!r}") from exc
+
+
+def _end_of_first_stop(tokens: list[int], stop: tuple[str, ...], tokenizer) -> int:
+    """How many of `tokens` to keep: up to the token that completes the first of the `stop` strings, else all."""
+    pieces = tokenizer.batch_decode([[token] for token in tokens]) if stop else []
+    text = "".join(pieces)
+    ends = [text.find(s) + len(s) for s in stop if s in text]
+    if not ends:
+        return len(tokens)
+    return bisect_left(list(accumulate(map(len, pieces))), min(ends)) + 1
 
 
 def _trajectory_columns(trajectories: list[Trajectory], envs: list[Environment], width: int) -> dict[str, np.ndarray]:

@@ -1,8 +1,9 @@
 """Tool-call parsers: find the calls in an assistant turn's text, in the model family's own format.
 
 `hermes` (Qwen 2.5/3, Hermes, and the built-in tiny model): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-any number per turn. `llama3`: the turn is one JSON object `{"name": ..., "parameters": {...}}` (or several
-separated by `;`), optionally after `<|python_tag|>`. `rollout.multi_turn.format=auto` picks from the chat template.
+any number per turn; generation stops after `</tool_call>`. `llama3`: the turn is one JSON object
+`{"name": ..., "parameters": {...}}` (or several separated by `;`), optionally after `<|python_tag|>`; the model
+ends it with its own stop token. `rollout.multi_turn.format=auto` picks from the chat template.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ Parser = Callable[[str], list[ToolCall]]
 _PARSERS: dict[str, Parser] = {}
 
 
-def register_parser(name: str):
-    """Register `fn(text) -> list[ToolCall]` as the parser of `rollout.multi_turn.format=name`."""
+def register_parser(name: str, stop: tuple[str, ...] = ()):
+    """Register `fn(text) -> list[ToolCall]` as the parser of `rollout.multi_turn.format=name`; `stop` are the
+    strings that end a tool call, where generation of the turn stops (kept as `fn.stop`)."""
 
     def wrap(fn: Parser) -> Parser:
+        fn.stop = tuple(stop)
         _PARSERS[name] = fn
         return fn
 
@@ -48,7 +51,7 @@ def get_parser(name: str, chat_template: str | None = None) -> Parser:
     return _PARSERS[name]
 
 
-@register_parser("hermes")
+@register_parser("hermes", stop=("</tool_call>",))
 def parse_hermes(text: str) -> list[ToolCall]:
     """Every `<tool_call>...</tool_call>` block (an unclosed last one too) as a call."""
     bodies = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL)

@@ -1,0 +1,86 @@
+"""Token ids of a conversation the way a multi-turn rollout builds them: the opening prompt, then each of the
+model's turns (its own tokens and the stop token) followed by the "glue" (the end of its turn as the chat
+template writes it, the tool or user messages, and the next generation prompt). Prompt and glue are rendered
+with the chat template and tokenized once; the model's own tokens are never re-tokenized.
+
+`ChatRenderer` serves the turn loop (`ketch.rollout.multi_turn`); `conversation_tokens` builds a multi-turn SFT
+demonstration from the same pieces, so SFT trains on exactly the tokens a rollout would hold, with the loss on
+the model's turns only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ketch.data.chat_templates import get_chat_template
+
+_MARK = "KETCH-TURN-MARK"
+"""Stands for the model's sampled turn when rendering; the glue is what the template writes after it."""
+
+
+class ChatRenderer:
+    """Renders with `tokenizer`'s chat template, or the built-in template named `chat_template`."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = get_chat_template(chat_template) if chat_template else None
+        if self.template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "multi-turn conversations are rendered with a chat template, and the tokenizer has none; "
+                "set data.chat_template (e.g. chatml)"
+            )
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None) -> list[int]:
+        """The opening messages with the generation prompt, as the model is asked to continue them."""
+        return self.encode(self._render(messages, tools, add_generation_prompt=True))
+
+    def glue_ids(self, new_messages: list[dict[str, Any]], tools: list[dict] | None, last_token: int) -> list[int]:
+        """What follows the model's turn (whose last sampled token is `last_token`) up to its next turn."""
+        opening = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        text = self._render([*opening, *new_messages], tools, add_generation_prompt=True)
+        glue = text[text.index(_MARK) + len(_MARK) :]
+        sampled_end = self.tokenizer.decode([last_token])
+        if sampled_end and glue.startswith(sampled_end):  # the model already wrote the template's end of turn
+            glue = glue[len(sampled_end) :]
+        return self.encode(glue)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+
+
+def conversation_tokens(
+    renderer: ChatRenderer,
+    messages: list[dict[str, Any]],
+    stop_token: int,
+    stop: tuple[str, ...] = (),
+) -> tuple[list[int], list[int]]:
+    """(ids, loss_mask) of the response part of a conversation, `messages` being what follows the prompt: each
+    assistant message is its content's tokens and `stop_token` (loss 1; no stop token where the content ends
+    with one of the `stop` strings, as a rollout's turn ends there), each run of other messages (tool results,
+    user replies) the glue before the next assistant turn (loss 0). `messages` must begin and end with an
+    assistant message."""
+    roles = [m.get("role") for m in messages]
+    if not messages or roles[0] != "assistant" or roles[-1] != "assistant":
+        raise ValueError(f"the response must begin and end with an assistant message; its roles: {roles}")
+    ids: list[int] = []
+    loss_mask: list[int] = []
+    pending: list[dict[str, Any]] = []
+    for message in messages:
+        if message["role"] != "assistant":
+            pending.append(message)
+            continue
+        if pending:
+            glue = renderer.glue_ids(pending, None, ids[-1])
+            ids, loss_mask, pending = ids + glue, loss_mask + [0] * len(glue), []
+        content = message["content"]
+        turn = renderer.encode(content) + ([] if content.endswith(tuple(stop)) else [stop_token])
+        ids, loss_mask = ids + turn, loss_mask + [1] * len(turn)
+    return ids, loss_mask
