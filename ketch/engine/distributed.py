@@ -46,15 +46,16 @@ def init_process_group(device: torch.device) -> tuple[int, int]:
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over all ranks (a no-op in a world of one)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-    return value
+    return _all_reduce(value, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(value: torch.Tensor) -> torch.Tensor:
     """The elementwise maximum of a tensor over all ranks (a no-op in a world of one)."""
+    return _all_reduce(value, dist.ReduceOp.MAX)
+
+
+def _all_reduce(value: torch.Tensor, op: dist.ReduceOp) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        dist.all_reduce(value, op=op)
     return value
