@@ -124,7 +124,7 @@ def test_after_a_hand_off_vllm_decodes_greedily_like_the_actor(vllm_actor, vllm_
     batch.meta_info["do_sample"] = False
     greedy = group.generate_sequences(batch).batch
     actor = AutoModelForCausalLM.from_pretrained(vllm_model_dir)
-    actor.load_state_dict(dict(group.worker.actor.full_parameters(prefix="lm.")))
+    actor.load_state_dict({n: t.clone() for n, t in group.worker.actor.full_parameters(prefix="lm.")})
     expected = actor.generate(
         input_ids=batch.batch["input_ids"],
         attention_mask=batch.batch["attention_mask"],

@@ -1,4 +1,5 @@
-"""Checks of the training strategy (`actor.strategy`, `critic.strategy`) and Megatron model parallelism.
+"""Checks of the training strategy (`actor.strategy`, `critic.strategy`), Megatron model parallelism and the
+tensor-parallel rollout (`rollout.tensor_parallel_size`; the model's head counts are checked when it is built).
 
 `megatron_problems` needs the config alone and runs with the other checks when the config loads;
 `check_megatron_start` also needs the model's Hugging Face config and this machine (megatron-core installed,
@@ -43,6 +44,28 @@ def megatron_problems(config: KetchConfig) -> list[str]:
                 f"actor and critic need the same data-parallel size, but their tensor x pipeline sizes are {sizes}; "
                 "give both the same strategy and megatron sizes"
             )
+    return problems
+
+
+def rollout_problems(config: KetchConfig) -> list[str]:
+    """What in the config alone stops a tensor-parallel hf rollout: its size must divide the processes, and the
+    turn loop (whose turns differ between the ranks of a group) is not supported with it."""
+    r = config.rollout
+    key = f"rollout.tensor_parallel_size={r.tensor_parallel_size}"
+    if r.tensor_parallel_size == 1 or r.name != "hf":
+        return []
+    processes = config.num_processes(gpu_visible=config.trainer.device != "cpu")
+    problems = []
+    if processes % r.tensor_parallel_size:
+        where = (
+            "trainer.n_cpu_workers" if config.trainer.device == "cpu" else "trainer.nnodes x trainer.n_gpus_per_node"
+        )
+        problems.append(f"{key} does not divide the {processes} worker processes ({where}); pick a divisor of it")
+    if r.multi_turn.enable:
+        problems.append(
+            f"{key} decodes a group's prompts together, one call at a time: set it to 1 for "
+            "rollout.multi_turn.enable=true"
+        )
     return problems
 
 

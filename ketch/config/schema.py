@@ -293,7 +293,9 @@ class RolloutConfig:
     """hf backend: transformers' `generate`, or `static` decoding (preallocated KV cache, the decode step compiled
     into a CUDA graph on GPUs); auto = static on GPU, generate on CPU."""
     tensor_parallel_size: int = 1
-    """vLLM: GPUs one engine spans (also written to the export's vllm_engine_config.json)."""
+    """Processes (GPUs) one rollout model spans: vLLM's engine size (also written to the export's
+    vllm_engine_config.json); hf: the heads and MLP width split over groups of this many consecutive processes,
+    which decode their prompts together (`ketch.rollout.tensor_parallel`)."""
     gpu_memory_utilization: float = 0.5
     """vLLM: fraction of GPU memory for weights and KV cache (the actor's training shares the GPU)."""
     max_model_len: int | None = None

@@ -10,7 +10,7 @@ from typing import Any
 
 from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.errors import ConfigError
-from ketch.config.parallel import megatron_problems
+from ketch.config.parallel import megatron_problems, rollout_problems
 from ketch.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -133,7 +133,7 @@ def validate(config: KetchConfig) -> None:
     problems = out_of_range(config)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config)
+    problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config) + rollout_problems(config)
     for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
         try:
             derive_batch_plan(config, world_size=world)

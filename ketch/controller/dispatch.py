@@ -7,8 +7,9 @@ know about the split (e.g. the padding added). Register new modes with `register
 A data-parallel mode (`DP_COMPUTE_PROTO`) splits over the group's data-parallel ranks, not its processes: with
 tensor or pipeline parallelism several processes form one data-parallel rank. They all get that rank's piece
 (they compute it together), and one of them (`collect`) returns the result (`DataParallelLayout`).
-`PROCESS_COMPUTE_PROTO` splits over every process, for work each process does alone whatever the model
-parallelism: generation, where each process holds a whole rollout model.
+`PROCESS_COMPUTE_PROTO` splits over every process, for work that needs no two processes to get the same piece:
+generation, where each process holds a whole rollout model or, with a tensor-parallel rollout, its group
+decodes the pieces of all its processes together and each returns its own.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ketch.cache import use_compile_cache
@@ -112,7 +112,7 @@ class TrainEngine:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile:
             compile_blocks(module)
-        self.device = device
+        self.device, self.param_dtype = device, param_dtype
         self.module = shard(module, device, param_dtype)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.optim_config = optim
@@ -177,9 +177,37 @@ class TrainEngine:
 
     # ----------------------------------------------------------------- weights
     def full_parameters(self, prefix: str = "", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every parameter, gathered one at a time from the shards; names are
-        relative to the submodule `prefix` (e.g. `lm.` for the wrapped HF model). Tied parameters come
-        under each of their names (some engines, like vLLM's CPU build, need `lm_head.weight` spelled out)."""
+        """(name, full tensor) for every parameter, names relative to the submodule `prefix` (e.g. `lm.` for the
+        wrapped HF model). Tied parameters come under each of their names (some engines, like vLLM's CPU build,
+        need `lm_head.weight` spelled out).
+
+        Without mixed precision, or in its `param_dtype` (the rollout's dtype), the weights come one FSDP unit (a
+        transformer block, then the root's own parameters) at a time, with one all-gather per unit in the dtype
+        the forward uses: each tensor stays valid only until the next unit is gathered, so a caller that keeps
+        them clones them. The float32 master weights of a mixed-precision engine (`dtype` None or float32) are
+        gathered one parameter at a time."""
+        if self.param_dtype is not None and dtype != self.param_dtype:
+            yield from self._gathered_one_by_one(prefix, dtype)
+            return
+        for unit, names in self._fsdp_units():
+            unit.unshard()
+            try:
+                for name in names:
+                    tensor = self.module.get_parameter(name).detach()
+                    yield name.removeprefix(prefix), tensor.to(dtype or tensor.dtype)
+            finally:
+                unit.reshard()
+
+    def _fsdp_units(self) -> list[tuple[FSDPModule, list[str]]]:
+        """Each FSDP unit (fully_shard module) with the names of the parameters it gathers, tied ones repeated."""
+        units = {path: module for path, module in self.module.named_modules() if isinstance(module, FSDPModule)}
+        names: dict[str, list[str]] = {path: [] for path in units}
+        for name, _ in self.module.named_parameters(remove_duplicate=False):
+            owner = max((p for p in units if p == "" or name.startswith(f"{p}.")), key=len)
+            names[owner].append(name)
+        return [(units[path], names[path]) for path in units if names[path]]
+
+    def _gathered_one_by_one(self, prefix: str, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         named = list(self.module.named_parameters(remove_duplicate=False))
         counts = Counter(id(param) for _, param in named)
         tied: dict[int, torch.Tensor] = {}

@@ -77,7 +77,7 @@ def gather_hf_state(engine: TrainEngine, keep: bool = True) -> dict[str, torch.T
     state = {}
     for name, tensor in engine.full_parameters():
         if keep:
-            state[_hf_name(name)] = tensor.cpu()
+            state[_hf_name(name)] = tensor.to("cpu", copy=True)  # the gathered unit is freed after the next
     return state
 
 

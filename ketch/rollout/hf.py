@@ -1,4 +1,5 @@
-"""The `hf` rollout backend: `model.generate` on a plain (unsharded) copy of the policy in this process."""
+"""The `hf` rollout backend: `model.generate` (or the static decoder) on a copy of the policy in this process,
+whole or, with `rollout.tensor_parallel_size` > 1, this rank's tensor-parallel shard of it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ketch.models import load_causal_lm, stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
 
 
 @register_rollout("hf")
@@ -24,7 +26,9 @@ class HFRollout(Rollout):
     ):
         m = config.model
         model = load_causal_lm(model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
-        self.model = model.to(device).eval()
+        size = config.rollout.tensor_parallel_size
+        self.tp = TensorParallel(size) if size > 1 else None
+        self.model = self.tp.shard_model(model, device) if self.tp else model.to(device).eval()
         self.config = config.rollout
         self.max_response_length = config.data.max_response_length
         self.tokenizer, self.pad_token_id = tokenizer, tokenizer.pad_token_id
@@ -36,12 +40,24 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
-        do_sample, temperature = call_sampling(prompts, self.config)
-        prompts = prompts.to(next(self.model.parameters()).device)
-        decode = self._decode_static if self.decoder is not None else self._decode_generate
-        responses, log_probs = decode(prompts, do_sample, temperature, *call_limits(prompts, self.max_response_length))
+        """With tensor parallelism, the group decodes the prompts of all its ranks and each keeps its own rows."""
+        device = next(self.model.parameters()).device
+        if self.tp is None:
+            prompts = prompts.to(device)
+            responses, log_probs = self._decode(prompts)
+        else:
+            together, rows, seed = self.tp.group_prompts(prompts, self.pad_token_id)
+            with same_random_numbers(seed, device):
+                responses, log_probs = self._decode(together.to(device))
+            prompts, responses, log_probs = prompts.to(device), responses[rows], log_probs[rows]
         stops = None if self.config.ignore_eos else self.stop_token_ids
         return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
+
+    def _decode(self, prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        """`responses` and their log-probs `[batch, max_response_length]`."""
+        do_sample, temperature = call_sampling(prompts, self.config)
+        decode = self._decode_static if self.decoder is not None else self._decode_generate
+        return decode(prompts, do_sample, temperature, *call_limits(prompts, self.max_response_length))
 
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
         prompt_ids = prompts.batch["input_ids"]
@@ -100,8 +116,9 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each full tensor (or, with tensor parallelism, this rank's shard of it) into the model."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")
-            params[name].copy_(tensor)
+            params[name].copy_(self.tp.shard(name, tensor) if self.tp else tensor)

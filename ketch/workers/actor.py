@@ -111,9 +111,10 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     @register(PROCESS_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample responses for this process's prompts (see `Rollout.generate` for the fields); the rollout
-        engine's memory is given back to training afterwards. Every process holds a whole rollout model, so the
-        prompts are split over all processes: Megatron's tensor/pipeline peers each generate their own share
-        instead of the same one."""
+        engine's memory is given back to training afterwards. The prompts are split over all processes:
+        Megatron's tensor/pipeline peers each generate their own share instead of the same one, and the ranks of
+        a tensor-parallel hf rollout (`rollout.tensor_parallel_size`) decode their shares together, each getting
+        its own back."""
         self.rollout.wake_up()
         out = self.rollout.generate(prompts).to("cpu")
         self.rollout.sleep()
