@@ -26,10 +26,13 @@ def fit(config) -> tuple[PPOTrainer, dict[str, float]]:
     return trainer, trainer.fit()
 
 
-def test_two_cpu_ranks_train_with_fsdp_over_gloo(tiny_config):
-    trainer, metrics = fit(tiny_config("trainer.n_cpu_workers=2", "trainer.test_freq=2"))
+def test_two_cpu_ranks_train_with_fsdp_over_gloo_and_a_tensor_parallel_rollout(tiny_config):
+    # the two ranks decode as one TP=2 hf rollout; the hand-off is checked after each update
+    overrides = ("rollout.tensor_parallel_size=2", "rollout.check_weight_sync=true")
+    trainer, metrics = fit(tiny_config("trainer.n_cpu_workers=2", "trainer.test_freq=2", *overrides))
     assert trainer.plan.world_size == 2 and trainer.plan.sequences_per_device == 4
     assert {"actor/pg_loss", "critic/vf_loss", "val/ketch/arithmetic/acc"} <= set(metrics)
+    assert metrics["response_length/mean"] > 0
     assert trainer.groups.owned == [], "groups are shut down at the end"
 
 
