@@ -78,8 +78,8 @@ def test_weight_hand_off_changes_what_the_rollout_generates(tiny_config):
     assert metrics["timing_s/weight_sync"] >= 0
     worker = group.worker
     rollout_params = dict(worker.rollout.model.named_parameters(remove_duplicate=False))
-    for name, tensor in worker.actor.full_parameters(prefix="lm."):
-        assert torch.equal(rollout_params[name], tensor), name
+    for name, param in worker.actor.module.named_parameters(remove_duplicate=False):  # one process: the FSDP
+        assert torch.equal(rollout_params[name.removeprefix("lm.")], param.full_tensor()), name  # units' hand-off
 
 
 def test_update_actor_reports_its_metrics(tiny_config):

@@ -1,17 +1,18 @@
 """The weight hand-off from FSDP2 shards to the hf rollout (`TrainEngine.full_parameters`, one all-gather per FSDP
-unit): on one and two CPU processes over gloo, with tied and untied embeddings, in float32 and in bfloat16 mixed
-precision, the rollout's weights afterwards are the training model's full weights exactly."""
+unit) on two CPU processes over gloo (one process: tests/test_rollout.py), with tied and untied embeddings, in
+float32 and in bfloat16 mixed precision: the rollout's weights afterwards are the training model's full weights
+exactly."""
 
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
 from ketch.config import load_config
 from ketch.data import build_char_tokenizer
+from ketch.engine.distributed import free_port
 from ketch.engine.engine import TrainEngine
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm, save_tiny_model
@@ -48,8 +49,7 @@ def _hand_off(rank: int, world: int, port: int, model_dirs: dict[bool, str]) -> 
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize(("world", "port"), [(1, 29581), (2, 29582)])
-def test_hand_off_gives_the_rollout_the_full_weights_exactly(tmp_path, world, port):
+def test_hand_off_gives_the_rollout_the_full_weights_exactly(tmp_path):
     tokenizer = build_char_tokenizer()
     dirs = {}
     for tied in (True, False):
@@ -60,4 +60,4 @@ def test_hand_off_gives_the_rollout_the_full_weights_exactly(tmp_path, world, po
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 0.5)
             model.save_pretrained(path)
         dirs[tied] = str(path)
-    mp.start_processes(_hand_off, args=(world, port, dirs), nprocs=world, start_method="spawn")
+    mp.start_processes(_hand_off, args=(2, free_port(), dirs), nprocs=2, start_method="spawn")

@@ -208,6 +208,7 @@ class TrainEngine:
         return [(units[path], names[path]) for path in units if names[path]]
 
     def _gathered_one_by_one(self, prefix: str, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """`full_parameters` one `full_tensor()` per parameter, cast to `dtype`: tensors of their own."""
         named = list(self.module.named_parameters(remove_duplicate=False))
         counts = Counter(id(param) for _, param in named)
         tied: dict[int, torch.Tensor] = {}
