@@ -19,6 +19,7 @@ from ketch.models import save_tiny_model
 from ketch.protocol import DataProto
 from ketch.rollout.hf import HFRollout
 from ketch.rollout.tensor_parallel import check_shardable, same_random_numbers
+from ketch.trainer.ppo import PPOTrainer
 
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 LOG_PROB_ATOL = 1e-5
@@ -100,7 +101,7 @@ def test_tp2_decodes_like_one_whole_model(tmp_path):
     mp.start_processes(_decode_both, args=(free_port(), str(path)), nprocs=2, start_method="spawn")
 
 
-def test_sizes_that_do_not_divide_the_heads_or_processes_are_refused(tiny_model_dir):
+def test_sizes_that_do_not_divide_the_heads_or_processes_are_refused(tiny_model_dir, tiny_config):
     config = Qwen2Config(num_attention_heads=6, num_key_value_heads=2, hidden_size=48, intermediate_size=64)
     with pytest.raises(
         ConfigError, match=r"rollout.tensor_parallel_size=4 does not divide the model's num_attention_heads=6"
@@ -126,3 +127,5 @@ def test_sizes_that_do_not_divide_the_heads_or_processes_are_refused(tiny_model_
                 "rollout.multi_turn.enable=true",
             ]
         )
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4 does not divide the model's num_key_value_heads=2"):
+        PPOTrainer(tiny_config("trainer.n_cpu_workers=4", "rollout.tensor_parallel_size=4"))  # before any worker

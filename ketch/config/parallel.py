@@ -69,6 +69,30 @@ def rollout_problems(config: KetchConfig) -> list[str]:
     return problems
 
 
+def check_rollout_start(config: KetchConfig, model_config: Any) -> None:
+    """Raise `ConfigError` when a tensor-parallel hf rollout cannot split `model_config` (the Hugging Face config
+    of the policy); the trainers call it at start-up, before any worker starts."""
+    r = config.rollout
+    problems = tensor_parallel_fit(r.tensor_parallel_size, model_config) if r.name == "hf" else []
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def tensor_parallel_fit(size: int, model_config: Any) -> list[str]:
+    """Where `rollout.tensor_parallel_size` does not divide the model's query heads, key/value heads or MLP width."""
+    heads = model_config.num_attention_heads
+    counts = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(model_config, "num_key_value_heads", None) or heads,
+        "intermediate_size": getattr(model_config, "intermediate_size", None),
+    }
+    return [
+        f"rollout.tensor_parallel_size={size} does not divide the model's {what}={count}; pick a divisor of it"
+        for what, count in counts.items()
+        if count is None or count % size
+    ]
+
+
 def _trained(config: KetchConfig) -> list[tuple[str, Any]]:
     return [("actor", config.actor)] + ([("critic", config.critic)] if config.use_critic else [])
 

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ketch.config.errors import ConfigError
+from ketch.config.parallel import tensor_parallel_fit
 from ketch.protocol import DataProto
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -102,18 +103,9 @@ def same_random_numbers(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def check_shardable(config, size: int) -> None:
-    """A `ConfigError` naming `rollout.tensor_parallel_size` where `size` does not divide the model's heads,
+    """A `ConfigError` naming `rollout.tensor_parallel_size` where `size` does not divide the HF `config`'s heads,
     key/value heads or intermediate width."""
-    counts = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "intermediate_size": getattr(config, "intermediate_size", None),
-    }
-    problems = [
-        f"{KEY}={size} does not divide the model's {what}={count}; pick a divisor of it"
-        for what, count in counts.items()
-        if count is None or count % size
-    ]
+    problems = tensor_parallel_fit(size, config)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 

@@ -27,7 +27,7 @@ from ketch.algorithms import (
 )
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
-from ketch.config.parallel import check_megatron_start, megatron_roles
+from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
@@ -59,6 +59,7 @@ class PPOTrainer(TrainingLoop):
         self.model_path = resolve_model_path(c)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
         check_megatron_start(c, model_config, torch.cuda.is_available())
+        check_rollout_start(c, model_config)
         if megatron_roles(c):
             check_supported(model_config)
         self.tokenizer = load_tokenizer(

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ketch.config import KetchConfig, derive_batch_plan, to_dict
-from ketch.config.parallel import check_megatron_start, megatron_roles
+from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
@@ -46,6 +46,7 @@ class SFTTrainer:
         self.model_path = model_path or local_or_hub(c.model.path)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)
         check_megatron_start(c, model_config, torch.cuda.is_available())
+        check_rollout_start(c, model_config)
         if megatron_roles(c):
             check_supported(model_config)
         tokenizer = load_tokenizer(
