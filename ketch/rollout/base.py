@@ -34,7 +34,8 @@ class Rollout(ABC):
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights, given as (HF parameter name, full tensor) pairs, without touching disk."""
+        """Load new weights, given as (HF parameter name, full tensor) pairs, without touching disk. A tensor may
+        be valid only until the next one is drawn (the training engine frees each gathered unit): copy it then."""
 
     @abstractmethod
     def weight_norm(self, name: str) -> float:

@@ -95,8 +95,9 @@ class VLLMRollout(Rollout):
         return torch.stack([nn.functional.pad(t, (0, self.max_response_length - len(t)), value=value) for t in tensors])
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's loaders may hold a tensor after drawing the next one, so each is cloned (see `Rollout`)."""
         self.wake_up()
-        adapter.reload_weights(self.engine, named_tensors)
+        adapter.reload_weights(self.engine, ((name, tensor.clone()) for name, tensor in named_tensors))
 
     def weight_norm(self, name: str) -> float:
         return adapter.parameter_norm(self.engine, name)
