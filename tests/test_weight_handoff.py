@@ -34,7 +34,8 @@ def _hand_off(rank: int, world: int, port: int, model_dirs: dict[bool, str]) -> 
         for param in engine.module.parameters():  # every shard moves: the rollout's copy from disk goes stale
             local = param.to_local()
             local.add_(torch.randn(local.shape, generator=generator))
-        truth = {name: p.full_tensor().to(dtype) for name, p in engine.module.named_parameters(remove_duplicate=False)}
+        master = {name: p.full_tensor() for name, p in engine.module.named_parameters(remove_duplicate=False)}
+        truth = {name: tensor.to(dtype) for name, tensor in master.items()}
         rollout = HFRollout(config, path, tokenizer, dtype, cpu, seed=0)
         rollout.update_weights(engine.full_parameters(prefix="lm.", dtype=dtype))
         got = dict(rollout.model.named_parameters(remove_duplicate=False))
@@ -43,9 +44,9 @@ def _hand_off(rank: int, world: int, port: int, model_dirs: dict[bool, str]) -> 
         for name, tensor in truth.items():
             assert got[name.removeprefix("lm.")].dtype == dtype
             assert torch.equal(got[name.removeprefix("lm.")], tensor), (name, tied, dtype)
-        # the engine's shards are untouched and the float32 master weights still come out whole
-        master = dict(engine.full_parameters(prefix="lm."))
-        assert master["model.norm.weight"].dtype == torch.float32
+        # the engine's shards are untouched: its float32 master weights still come out whole
+        for name, tensor in engine.full_parameters():
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, master[name]), name
     torch.distributed.destroy_process_group()
 
 
