@@ -57,18 +57,29 @@ def greedy_case(tiny_model_dir):
 
 
 def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_model_dir):
-    """The decode step through torch.compile (dynamo and AOTAutograd; `aot_eager` keeps the test fast on a CPU)
-    against the eager step, on ragged left-padded prompts with a stop token."""
+    """Each block of the decode step through torch.compile (dynamo and AOTAutograd, with the in-place writes into
+    the KV cache; `aot_eager` keeps the test fast on a CPU) against the eager step, on ragged left-padded prompts
+    with a stop token. Dynamo traces one graph for the model's 2 blocks, once per shape: a second batch of the
+    same shape compiles nothing, one of another shape once more."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    assert model.config.num_hidden_layers == 2
+    counter = CompileCounterWithBackend("aot_eager")
     out = {}
     for compiled in (False, True):
-        decoder = StaticDecoder(model, compile_step=compiled, buckets=False, backend="aot_eager")
+        decoder = StaticDecoder(model, compile_step=compiled, buckets=False, backend=counter)
         out[compiled] = decoder.generate(input_ids, attention_mask, 6, Sampling(do_sample=False), [8], pad_token_id=0)
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
     assert out[False][1].min() < -1
+    assert counter.frame_count == 1
+    again = decoder.generate(input_ids, attention_mask, 6, Sampling(do_sample=False), [8], pad_token_id=0)
+    assert counter.frame_count == 1 and torch.equal(again[0], out[True][0])
+    decoder.generate(input_ids[:2], attention_mask[:2], 6, Sampling(do_sample=False), [8], pad_token_id=0)
+    assert counter.frame_count == 2
 
 
 def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
