@@ -32,7 +32,10 @@ CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
 PROMPT_BUCKET = 64
 """With shape buckets, prompts are left-padded to a multiple of this many tokens."""
-
+RECOMPILE_LIMIT = 64
+"""Graphs that dynamo keeps per function before it runs new shapes eagerly. Every decode shape adds one to the
+transformer block's `forward`, which the training forwards' compiled blocks count against the same limit (8 by
+default)."""
 
 DECODE_ATTENTION = "ketch_decode"
 """The attention implementation the decoding model is switched to."""
@@ -104,12 +107,14 @@ def use_cached_attention(model: nn.Module) -> None:
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM (`model.get_decoder().layers`), each with its `self_attn`."""
+    """The decoder layers of a HF causal LM (`model.get_decoder().layers`), each with a `self_attn` that has a
+    `k_proj` and a `head_dim` (what sizes the KV cache)."""
     blocks = list(getattr(model.get_decoder(), "layers", []))
-    if not blocks or not all(hasattr(block, "self_attn") for block in blocks):
+    attentions = [getattr(block, "self_attn", None) for block in blocks]
+    if not blocks or not all(hasattr(a, "k_proj") and hasattr(a, "head_dim") for a in attentions):
         raise ValueError(
-            f"static decoding: {type(model).__name__} has no decoder `layers` with a `self_attn` each; "
-            "use rollout.hf_decoding=generate"
+            f"static decoding: {type(model).__name__} has no decoder `layers` whose `self_attn` has a `k_proj` "
+            "and a `head_dim`; use rollout.hf_decoding=generate"
         )
     return blocks
 
@@ -157,9 +162,10 @@ class StaticDecoder:
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
-        self.graph_pool = None
         if compile_step:
             self.compile_cache = use_compile_cache()
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
             for block in self.blocks:
                 block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
 
@@ -211,9 +217,8 @@ class StaticDecoder:
             logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)  # this token's step (capture runs nothing)
         torch.cuda.current_stream().wait_stream(side)
         compiled = time.perf_counter()
-        self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()
         b.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.graph, pool=self.graph_pool):
+        with torch.cuda.graph(b.graph, capture_error_mode="thread_local"):
             b.logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
         logger.info(
             "decode step of %d rows x %d tokens: compiled/loaded in %.1f s, CUDA graph captured in %.1f s",
