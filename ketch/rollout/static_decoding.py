@@ -162,6 +162,7 @@ class StaticDecoder:
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
+        self.weights: list[int] = []
         if compile_step:
             self.compile_cache = use_compile_cache()
             config = torch._dynamo.config
@@ -193,12 +194,17 @@ class StaticDecoder:
                     length,
                     type(self.blocks[0]).__name__,
                     len(self.blocks),
-                    ", then the whole step into a CUDA graph" if device.type == "cuda" else "",
+                    ", then capturing the whole step in a CUDA graph" if device.type == "cuda" else "",
                     self.compile_cache,
                 )
             self.caches[key] = DecodeBuffers(self.blocks, batch, length, device)
         buffers = self.caches[key]
         buffers.use(self.blocks)
+        weights = [p.data_ptr() for p in self.model.parameters()]
+        if weights != self.weights:  # a CUDA graph reads the weights where they were at its capture
+            self.weights = weights
+            for other in self.caches.values():
+                other.graph = other.logits = None
         return buffers
 
     def _decode(self, b: DecodeBuffers) -> torch.Tensor:
@@ -358,4 +364,7 @@ def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 @cache
 def _sampler(device_type: str):
-    return torch.compile(_sample, dynamic=False) if device_type == "cuda" else _sample
+    if device_type != "cuda":
+        return _sample
+    logger.info("compiling the sampling function on first use (compiler cache %s)", use_compile_cache())
+    return torch.compile(_sample, dynamic=False)
