@@ -102,3 +102,46 @@ def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
     assert CHECK_EVERY == 16 and calls == {"all stop": 15, "no stop": 63}
     assert (tokens["all stop"][:, 1:] == 0).all() and (tokens["all stop"][:, 0] != 0).all()  # pad after the stop
     assert (tokens["no stop"] != 0).all()  # without stops every token is real
+
+
+def test_static_decoding_keeps_a_sliding_window_as_generate_does():
+    """A Qwen2 whose second layer attends over a window of 3 tokens: the decoder's own mask for the new token
+    leaves out the slots the window has passed, so greedy tokens and log-probs match transformers' `generate`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    config = Qwen2Config(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    input_ids = torch.randint(4, 48, (2, 5), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=8,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    expected = out.sequences[:, 5:]
+    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    tokens, log_probs = StaticDecoder(model, compile_step=False).generate(
+        input_ids, attention_mask, 8, Sampling(do_sample=False), None, pad_token_id=0
+    )
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)

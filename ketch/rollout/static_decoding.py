@@ -77,12 +77,14 @@ def cached_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     cache_slots: torch.Tensor | None = None,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The registered `DECODE_ATTENTION`: writes the new `key`/`value` `[batch, kv_heads, new, head_dim]` into
     the module's KV cache (`module.decode_kv`, set by `DecodeBuffers.use`) at the cache slots `cache_slots`
-    `[new]`, then attends: the prompt (`new` > 1) among its own tokens under transformers' causal mask, one new
-    token over the whole cache under `attention_mask` `[batch, 1, 1, length]` (True: a filled slot).
+    `[new]`, then attends: the prompt (`new` > 1) among its own tokens under transformers' causal mask (sliding
+    windows included), one new token over the whole cache under `attention_mask` `[batch, 1, 1, length]` (True:
+    a filled slot), in a layer with a `sliding_window` only over the slots less than that many back.
     The cache is reached through the module, not by the layer's index, so every block runs the same code."""
     if cache_slots is None:
         raise ValueError(f"{DECODE_ATTENTION} attention: call the model with `cache_slots` (see StaticDecoder)")
@@ -93,6 +95,9 @@ def cached_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if sliding_window is not None:
+        recent = torch.arange(keys.shape[2], device=keys.device) > cache_slots - sliding_window
+        attention_mask = attention_mask & recent
     return grouped_decode_attention(module, query, keys, values, attention_mask, scaling=scaling)
 
 
