@@ -3,7 +3,9 @@
 A Qwen2.5-0.5B-shaped model (24 blocks of width 896; the vocabulary cut to `--vocab` tokens, which dynamo does
 not see) with random weights decodes `--rows` prompts of `--prompt-len` tokens for `--new-tokens` tokens with
 the compiled decode step, twice. Dynamo traces the transformer block once per shape (one graph for all blocks),
-so its tracing time is what a run pays again even when inductor's code comes from the compiler cache.
+so its tracing time is what a run pays again even when inductor's code comes from the compiler cache. The
+same prompts then decode without compiling (and without a CUDA graph), as a check of the compiled path: the
+share of tokens that agree and the largest log-prob difference over the first token.
 
     PYTHONPATH=. python3 benchmarks/decode_compile.py --device cpu --backend eager --out results/x.json
 """
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -51,17 +54,19 @@ def main() -> None:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = Qwen2ForCausalLM(config).to(args.device, dtype).eval()
+    model = Qwen2ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
     prompts = torch.randint(3, args.vocab, (args.rows, args.prompt_len), device=args.device)
+    decode_args = (prompts, torch.ones_like(prompts), args.new_tokens, Sampling(False), None, 0)
     decoder = StaticDecoder(model, compile_step=True, buckets=False, backend=args.backend)
     seconds = []
     for _ in range(2):
         start = time.perf_counter()
-        tokens, _ = decoder.generate(prompts, torch.ones_like(prompts), args.new_tokens, Sampling(False), None, 0)
+        tokens, log_probs = decoder.generate(*decode_args)
         tokens.cpu()
         seconds.append(time.perf_counter() - start)
     phases = dynamo_seconds()
+    with torch.compiler.set_stance("force_eager"):
+        eager_tokens, eager_log_probs = StaticDecoder(model, compile_step=False).generate(*decode_args)
     result = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "backend": args.backend,
@@ -74,6 +79,9 @@ def main() -> None:
         "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "dynamo_compile_s": phases.get("_compile.compile_inner"),
         "dynamo_tracing_s": phases.get("bytecode_tracing"),
+        "dtype": args.dtype,
+        "tokens_agreeing_with_eager": (tokens == eager_tokens).float().mean().item(),
+        "first_log_prob_max_diff": (log_probs[:, 0] - eager_log_probs[:, 0]).abs().max().item(),
     }
     print(json.dumps(result, indent=2))
     if args.out:
