@@ -145,3 +145,26 @@ def test_static_decoding_keeps_a_sliding_window_as_generate_does():
     )
     assert torch.equal(tokens, expected)
     torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)
+
+
+def test_decode_shapes_leave_the_training_blocks_compile_static(tiny_model_dir):
+    """Dynamo makes a dimension dynamic once a compiled function has seen it change, per function: the decoder
+    compiles a function of its own, so a training forward compiled after decoding (`engine.compile_blocks`
+    compiles the block's `forward`) still gets a graph of fixed shapes, no size among its inputs."""
+    from ketch.engine.engine import compile_blocks
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    StaticDecoder(model, compile_step=True, buckets=False, backend="eager").generate(
+        input_ids, attention_mask, 3, Sampling(do_sample=False), None, pad_token_id=0
+    )
+    policy, _, _ = greedy_case(tiny_model_dir)
+    sizes_as_inputs = []
+
+    def backend(graph, inputs):
+        sizes_as_inputs.append(sum(isinstance(x, torch.SymInt) for x in inputs))
+        return graph.forward
+
+    assert compile_blocks(policy, backend=backend) == 2
+    policy(input_ids=torch.randint(4, 40, (2, 7)), use_cache=False)
+    assert sizes_as_inputs == [0]

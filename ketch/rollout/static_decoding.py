@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import cache
+from functools import cache, partial
 
 import torch
 from torch import nn
@@ -33,9 +33,8 @@ CHECK_EVERY = 16
 PROMPT_BUCKET = 64
 """With shape buckets, prompts are left-padded to a multiple of this many tokens."""
 RECOMPILE_LIMIT = 64
-"""Graphs that dynamo keeps per function before it runs new shapes eagerly. Every decode shape adds one to the
-transformer block's `forward`, which the training forwards' compiled blocks count against the same limit (8 by
-default)."""
+"""Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default): every decode shape
+adds one."""
 
 DECODE_ATTENTION = "ketch_decode"
 """The attention implementation the decoding model is switched to."""
@@ -111,6 +110,13 @@ def use_cached_attention(model: nn.Module) -> None:
     model.set_attn_implementation(DECODE_ATTENTION)
 
 
+def _decode_block(block: nn.Module, *args, **kwargs):
+    """`block`'s own forward, in a function of its own for the decoder to compile: dynamo keeps its shape
+    history (which makes shapes that changed dynamic) and its recompile limit per function, so the decode
+    shapes stay apart from the training forwards' compiled blocks, which compile the block's `forward` itself."""
+    return type(block).forward(block, *args, **kwargs)
+
+
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a HF causal LM (`model.get_decoder().layers`), each with a `self_attn` that has a
     `k_proj` and a `head_dim` (what sizes the KV cache)."""
@@ -172,8 +178,9 @@ class StaticDecoder:
             self.compile_cache = use_compile_cache()
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+            compiled = torch.compile(_decode_block, backend=backend, fullgraph=True, dynamic=False)
             for block in self.blocks:
-                block.forward = torch.compile(block.forward, backend=backend, fullgraph=True, dynamic=False)
+                block.forward = partial(compiled, block)
 
     def _step(self, tokens, attention_mask, position_ids, cache_slots):
         """Logits `[batch, vocab]` (float32) of the last position, after `tokens` `[batch, new]` at `position_ids`
