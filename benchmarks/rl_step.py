@@ -14,7 +14,9 @@ pays for stopping early.
 Prints per-stage seconds (median over the timed steps) and writes them as JSON with: tokens/s (the real
 prompt + response tokens of each step's batch per step time), decode tokens/s (the real response tokens
 per generation time), the actor update's MFU against the peak of every GPU that ran, and each worker's
-peak GPU memory (read from the worker processes, so also under Ray).
+peak GPU memory (read from the worker processes, so also under Ray); and the first step's time, its stages and
+its ratio to a warm step (`first_step_over_warm_step`: the compile wait; run the command twice to see it with
+the compiler caches of the first run, `benchmarks/device/compile_wait.sh`).
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ def run(args) -> dict:
     result = summarize(records[args.warmup : total], s, args, rows, devices)
     result["device"] = _device_name(args.device)
     result["first_step_s"] = records[0]["timing_s/step"]
+    result["first_step_seconds"] = {k: records[0][f"timing_s/{k}"] for k in STAGES if f"timing_s/{k}" in records[0]}
+    result["first_step_over_warm_step"] = result["first_step_s"] / result["step_s"]
     result["workers_peak_memory"] = memory
     if args.device == "cuda":
         result["peak_gpu_memory_gib"] = max(m["allocated_gib"] for m in memory)

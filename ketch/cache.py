@@ -17,6 +17,11 @@ def cache_dir() -> Path:
 
 def use_compile_cache() -> str:
     """Keep torch.compile's caches (FX graphs, AOTAutograd graphs, autotuning) under the ketch cache directory,
-    so that a later run reuses them (`$TORCHINDUCTOR_CACHE_DIR` wins when set); returns the directory."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    so that a later run reuses them (`$TORCHINDUCTOR_CACHE_DIR` wins when set to another directory than torch's
+    default, which torch itself writes there on first use, e.g. when transformers is imported); returns the
+    directory."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]

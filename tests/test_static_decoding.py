@@ -57,18 +57,29 @@ def greedy_case(tiny_model_dir):
 
 
 def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_model_dir):
-    """The decode step through torch.compile (dynamo and AOTAutograd; `aot_eager` keeps the test fast on a CPU)
-    against the eager step, on ragged left-padded prompts with a stop token."""
+    """Each block of the decode step through torch.compile (dynamo and AOTAutograd, with the in-place writes into
+    the KV cache; `aot_eager` keeps the test fast on a CPU) against the eager step, on ragged left-padded prompts
+    with a stop token. Dynamo traces one graph for the model's 2 blocks, once per shape: a second batch of the
+    same shape compiles nothing, one of another shape once more."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    assert model.config.num_hidden_layers == 2
+    counter = CompileCounterWithBackend("aot_eager")
     out = {}
     for compiled in (False, True):
-        decoder = StaticDecoder(model, compile_step=compiled, buckets=False, backend="aot_eager")
+        decoder = StaticDecoder(model, compile_step=compiled, buckets=False, backend=counter)
         out[compiled] = decoder.generate(input_ids, attention_mask, 6, Sampling(do_sample=False), [8], pad_token_id=0)
     assert torch.equal(out[True][0], out[False][0])
     torch.testing.assert_close(out[True][1], out[False][1], atol=1e-5, rtol=0)
     assert out[False][1].min() < -1
+    assert counter.frame_count == 1
+    again = decoder.generate(input_ids, attention_mask, 6, Sampling(do_sample=False), [8], pad_token_id=0)
+    assert counter.frame_count == 1 and torch.equal(again[0], out[True][0])
+    decoder.generate(input_ids[:2], attention_mask[:2], 6, Sampling(do_sample=False), [8], pad_token_id=0)
+    assert counter.frame_count == 2
 
 
 def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
@@ -91,3 +102,69 @@ def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
     assert CHECK_EVERY == 16 and calls == {"all stop": 15, "no stop": 63}
     assert (tokens["all stop"][:, 1:] == 0).all() and (tokens["all stop"][:, 0] != 0).all()  # pad after the stop
     assert (tokens["no stop"] != 0).all()  # without stops every token is real
+
+
+def test_static_decoding_keeps_a_sliding_window_as_generate_does():
+    """A Qwen2 whose second layer attends over a window of 3 tokens: the decoder's own mask for the new token
+    leaves out the slots the window has passed, so greedy tokens and log-probs match transformers' `generate`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    config = Qwen2Config(
+        vocab_size=48,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=1,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    input_ids = torch.randint(4, 48, (2, 5), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    out = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=8,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    expected = out.sequences[:, 5:]
+    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    tokens, log_probs = StaticDecoder(model, compile_step=False).generate(
+        input_ids, attention_mask, 8, Sampling(do_sample=False), None, pad_token_id=0
+    )
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)
+
+
+def test_decode_shapes_leave_the_training_blocks_compile_static(tiny_model_dir):
+    """Dynamo makes a dimension dynamic once a compiled function has seen it change, per function: the decoder
+    compiles a function of its own, so a training forward compiled after decoding (`engine.compile_blocks`
+    compiles the block's `forward`) still gets a graph of fixed shapes, no size among its inputs."""
+    from ketch.engine.engine import compile_blocks
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    StaticDecoder(model, compile_step=True, buckets=False, backend="eager").generate(
+        input_ids, attention_mask, 3, Sampling(do_sample=False), None, pad_token_id=0
+    )
+    policy, _, _ = greedy_case(tiny_model_dir)
+    sizes_as_inputs = []
+
+    def backend(graph, inputs):
+        sizes_as_inputs.append(sum(isinstance(x, torch.SymInt) for x in inputs))
+        return graph.forward
+
+    assert compile_blocks(policy, backend=backend) == 2
+    policy(input_ids=torch.randint(4, 40, (2, 7)), use_cache=False)
+    assert sizes_as_inputs == [0]

@@ -1,22 +1,28 @@
 """Decoding with a preallocated KV cache, for the `hf` backend's `static` path.
 
 `model.generate` spends most of a decode step in Python: logits processors, stopping criteria that read
-the GPU every token, and hundreds of kernel launches per layer stack. Here the cache is allocated once per
-(batch, length), the one-token step has fixed shapes and, on GPUs, is compiled into a CUDA graph (one
-replay per token), sampling stays on the device, and the host looks at the tokens only every
-`CHECK_EVERY` steps to stop early when every row has finished. Attention of the one new token reads the
-KV cache once per key/value head (`grouped_decode_attention`), not once per query head.
+the GPU every token, and hundreds of kernel launches per layer stack. Here the KV cache is allocated once per
+(batch, length) shape and held by the decoder (`DecodeBuffers`), the one-token step has fixed shapes, sampling
+stays on the device, and the host looks at the tokens only every `CHECK_EVERY` steps to stop early when every
+row has finished. Attention of the one new token reads the KV cache once per key/value head
+(`grouped_decode_attention`), not once per query head.
+
+Compiled (on GPUs), each transformer block is compiled with torch.compile, and the blocks share one graph: the
+block's parameters and its KV cache are inputs of the graph, so dynamo traces one block, not the whole layer
+stack, once per shape (and in a later run only that trace is redone; inductor's code comes from the compiler
+cache). On CUDA the whole step, compiled blocks and the eager code around them, is then captured into one CUDA
+graph per shape and replayed once per token.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from functools import cache
+from functools import cache, partial
 
 import torch
 from torch import nn
-from transformers import StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ketch.cache import use_compile_cache
 
@@ -26,7 +32,9 @@ CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
 PROMPT_BUCKET = 64
 """With shape buckets, prompts are left-padded to a multiple of this many tokens."""
-
+RECOMPILE_LIMIT = 64
+"""Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default): every decode shape
+adds one."""
 
 DECODE_ATTENTION = "ketch_decode"
 """The attention implementation the decoding model is switched to."""
@@ -50,8 +58,6 @@ def grouped_decode_attention(
     batch, heads, length, head_dim = query.shape
     kv_heads = key.shape[1]
     if length != 1 or heads == kv_heads:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -61,60 +67,184 @@ def grouped_decode_attention(
     return out.reshape(batch, 1, heads, head_dim), None
 
 
-def use_grouped_decode_attention(model: nn.Module) -> None:
-    """Switch a HF model to `grouped_decode_attention` (masks built as for SDPA)."""
+def cached_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cache_slots: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The registered `DECODE_ATTENTION`: writes the new `key`/`value` `[batch, kv_heads, new, head_dim]` into
+    the module's KV cache (`module.decode_kv`, set by `DecodeBuffers.use`) at the cache slots `cache_slots`
+    `[new]`, then attends: the prompt (`new` > 1) among its own tokens under transformers' causal mask (sliding
+    windows included), one new token over the whole cache under `attention_mask` `[batch, 1, 1, length]` (True:
+    a filled slot), in a layer with a `sliding_window` only over the slots less than that many back.
+    The cache is reached through the module, not by the layer's index, so every block runs the same code."""
+    if cache_slots is None:
+        raise ValueError(f"{DECODE_ATTENTION} attention: call the model with `cache_slots` (see StaticDecoder)")
+    keys, values = module.decode_kv
+    keys.index_copy_(2, cache_slots, key)
+    values.index_copy_(2, cache_slots, value)
+    if query.shape[2] > 1:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if sliding_window is not None:
+        recent = torch.arange(keys.shape[2], device=keys.device) > cache_slots - sliding_window
+        attention_mask = attention_mask & recent
+    return grouped_decode_attention(module, query, keys, values, attention_mask, scaling=scaling)
+
+
+def use_cached_attention(model: nn.Module) -> None:
+    """Switch a HF model to `cached_attention` (prompt masks built as for SDPA)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(DECODE_ATTENTION, grouped_decode_attention)
+    AttentionInterface.register(DECODE_ATTENTION, cached_attention)
     AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
     model.set_attn_implementation(DECODE_ATTENTION)
+
+
+def _decode_block(block: nn.Module, *args, **kwargs):
+    """`block`'s own forward, in a function of its own for the decoder to compile: dynamo keeps its shape
+    history (which makes shapes that changed dynamic) and its recompile limit per function, so the decode
+    shapes stay apart from the training forwards' compiled blocks, which compile the block's `forward` itself."""
+    return type(block).forward(block, *args, **kwargs)
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a HF causal LM (`model.get_decoder().layers`), each with a `self_attn` that has a
+    `k_proj` and a `head_dim` (what sizes the KV cache)."""
+    blocks = list(getattr(model.get_decoder(), "layers", []))
+    attentions = [getattr(block, "self_attn", None) for block in blocks]
+    if not blocks or not all(hasattr(a, "k_proj") and hasattr(a, "head_dim") for a in attentions):
+        raise ValueError(
+            f"static decoding: {type(model).__name__} has no decoder `layers` whose `self_attn` has a `k_proj` "
+            "and a `head_dim`; use rollout.hf_decoding=generate"
+        )
+    return blocks
+
+
+class DecodeBuffers:
+    """The KV cache and the decode step's inputs of one (rows, length) shape, at fixed addresses (a CUDA graph
+    of the step replays on them): `tokens` and `positions` `[rows, 1]`, `slot` `[1]` (the cache slot of the
+    new token), `mask` `[rows, length]` (True: a filled slot; `mask4d` is the same memory as
+    `[rows, 1, 1, length]`), and per block keys and values `[rows, kv_heads, length, head_dim]`."""
+
+    def __init__(self, blocks: list[nn.Module], rows: int, length: int, device: torch.device):
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        self.mask4d = self.mask[:, None, None, :]
+        self.kv = [self._kv(block.self_attn, rows, length, device) for block in blocks]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    @staticmethod
+    def _kv(attention: nn.Module, rows: int, length: int, device: torch.device):
+        weight = attention.k_proj.weight
+        shape = (rows, weight.shape[0] // attention.head_dim, length, attention.head_dim)
+        return tuple(torch.zeros(shape, dtype=weight.dtype, device=device) for _ in range(2))
+
+    def use(self, blocks: list[nn.Module]) -> None:
+        """Point each block's attention at its KV cache here."""
+        for block, kv in zip(blocks, self.kv, strict=True):
+            block.self_attn.decode_kv = kv
 
 
 class StaticDecoder:
     """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
 
     def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None, backend: str = "inductor"):
-        """`buckets` (default: when compiling) rounds batch shapes up so that few graphs are captured; `backend`
-        is torch.compile's (inductor's CUDA graphs: `reduce-overhead`)."""
+        """`compile_step` compiles each transformer block (one graph shared by all, `backend` is torch.compile's)
+        and on CUDA captures the decode step into a CUDA graph per shape; `buckets` (default: when compiling)
+        rounds batch shapes up so that few shapes are compiled and captured."""
         self.model = model
         self.buckets = compile_step if buckets is None else buckets
-        use_grouped_decode_attention(model)
-        self.caches: dict[tuple[int, int], StaticCache] = {}
+        use_cached_attention(model)
+        self.blocks = transformer_blocks(model)
+        self.caches: dict[tuple[int, int], DecodeBuffers] = {}
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
+        self.weights: list[int] = []
         if compile_step:
             self.compile_cache = use_compile_cache()
-            mode = {"mode": "reduce-overhead"} if backend == "inductor" else {"backend": backend}
-            self.step = torch.compile(self._step, fullgraph=True, dynamic=False, **mode)
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+            compiled = torch.compile(_decode_block, backend=backend, fullgraph=True, dynamic=False)
+            for block in self.blocks:
+                block.forward = partial(compiled, block)
 
-    def _step(self, tokens, attention_mask, position_ids, cache_position, cache):
+    def _step(self, tokens, attention_mask, position_ids, cache_slots):
+        """Logits `[batch, vocab]` (float32) of the last position, after `tokens` `[batch, new]` at `position_ids`
+        are written into the KV cache slots `cache_slots` `[new]`."""
         out = self.model(
             input_ids=tokens,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
-            cache_position=cache_position,
-            use_cache=True,
+            use_cache=False,
+            cache_slots=cache_slots,
+            logits_to_keep=1,
         )
         return out.logits[:, -1].float()
 
-    def _cache(self, batch: int, length: int) -> StaticCache:
+    def _buffers(self, batch: int, length: int, device: torch.device) -> DecodeBuffers:
         key = (batch, length)
         if key not in self.caches:
             if self.compiled:
                 logger.info(
-                    "compiling the decode step into a CUDA graph for %d rows x %d tokens (once per shape; compiler "
-                    "cache %s)",
+                    "compiling the decode step for %d rows x %d tokens: one %s graph for its %d blocks%s "
+                    "(once per shape; compiler cache %s)",
                     batch,
                     length,
+                    type(self.blocks[0]).__name__,
+                    len(self.blocks),
+                    ", then capturing the whole step in a CUDA graph" if device.type == "cuda" else "",
                     self.compile_cache,
                 )
-            self.caches[key] = StaticCache(config=self.model.config, max_cache_len=length)
-        cache = self.caches[key]
-        cache.reset()
-        return cache
+            self.caches[key] = DecodeBuffers(self.blocks, batch, length, device)
+        buffers = self.caches[key]
+        buffers.use(self.blocks)
+        weights = [p.data_ptr() for p in self.model.parameters()]
+        if weights != self.weights:  # a CUDA graph reads the weights where they were at its capture
+            self.weights = weights
+            for other in self.caches.values():
+                other.graph = other.logits = None
+        return buffers
+
+    def _decode(self, b: DecodeBuffers) -> torch.Tensor:
+        """One decode step on `b`'s inputs: logits `[rows, vocab]`. Compiled on CUDA, the first step of a shape
+        runs on a side stream (it compiles the block) and then the step is captured into a CUDA graph that later
+        steps replay."""
+        if b.graph is not None:
+            b.graph.replay()
+            return b.logits
+        if not (self.compiled and b.tokens.is_cuda):
+            return self.step(b.tokens, b.mask4d, b.positions, b.slot)
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)  # this token's step (capture runs nothing)
+        torch.cuda.current_stream().wait_stream(side)
+        compiled = time.perf_counter()
+        b.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.graph, capture_error_mode="thread_local"):
+            b.logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
+        logger.info(
+            "decode step of %d rows x %d tokens: compiled/loaded in %.1f s, CUDA graph captured in %.1f s",
+            *b.mask.shape,
+            compiled - start,
+            time.perf_counter() - compiled,
+        )
+        return logits
 
     @torch.no_grad()
     def generate(
@@ -158,19 +288,19 @@ class StaticDecoder:
         device = input_ids.device
         new_shape = (batch, prompt_len + max_new_tokens) not in self.caches
         start = time.perf_counter()
-        cache = self._cache(batch, prompt_len + max_new_tokens)
-        mask = torch.zeros(batch, prompt_len + max_new_tokens, dtype=attention_mask.dtype, device=device)
-        mask[:, :prompt_len] = attention_mask
+        b = self._buffers(batch, prompt_len + max_new_tokens, device)
+        b.mask.zero_()
+        b.mask[:, :prompt_len] = attention_mask.bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = self._step(input_ids, mask, positions, torch.arange(prompt_len, device=device), cache)
-        position = positions[:, -1:] + 1
+        with torch.compiler.set_stance("force_eager"):  # the prompt runs once per call: not worth a compile
+            logits = self._step(input_ids, attention_mask, positions, torch.arange(prompt_len, device=device))
+        b.positions.copy_(positions[:, -1:] + 1)
         tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         log_probs = torch.zeros(batch, max_new_tokens, device=device)
         done = torch.zeros(batch, dtype=torch.bool, device=device)
         if active_rows is not None:
             done[active_rows:] = True
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
-        cache_positions = torch.arange(prompt_len, prompt_len + max_new_tokens, device=device)
         for t in range(max_new_tokens):
             token, log_prob = sampling.sample(logits)
             tokens[:, t] = token.masked_fill(done, pad_token_id)
@@ -178,9 +308,11 @@ class StaticDecoder:
             done |= is_stop[token]
             if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())):
                 break
-            mask[:, prompt_len + t] = 1
-            logits = self.step(token[:, None], mask, position, cache_positions[t : t + 1], cache)
-            position = position + 1
+            b.tokens.copy_(token[:, None])
+            b.mask[:, prompt_len + t] = True
+            b.slot.fill_(prompt_len + t)
+            logits = self._decode(b)
+            b.positions.add_(1)
         if new_shape and self.compiled:
             logger.info(
                 "first decode of %d rows x %d tokens took %.1f s",
@@ -244,4 +376,7 @@ def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 @cache
 def _sampler(device_type: str):
-    return torch.compile(_sample, dynamic=False) if device_type == "cuda" else _sample
+    if device_type != "cuda":
+        return _sample
+    logger.info("compiling the sampling function on first use (compiler cache %s)", use_compile_cache())
+    return torch.compile(_sample, dynamic=False)
