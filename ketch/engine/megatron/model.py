@@ -11,16 +11,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from ketch.config.schema import MegatronConfig
+from ketch.engine.megatron.logprobs import sum_grad_over_ranks
 from ketch.engine.megatron.weights import ModelShape, rope_settings
 
 
@@ -80,7 +79,7 @@ class VocabParallelHead(torch.nn.Module):
         # each rank's projection gives part of the gradient of the states: sum it over the tensor ranks
         if self.sequence_parallel:
             return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True), None
-        return copy_to_tensor_model_parallel_region(hidden_states), None
+        return sum_grad_over_ranks(hidden_states, mpu.get_tensor_model_parallel_group()), None
 
     def get_extra_state(self) -> None:  # the replaced layer's (empty) state-dict entry, so checkpoints match
         return None

@@ -1,0 +1,125 @@
+"""The actor worker with `strategy=megatron` on CPU processes (gloo): one GRPO update through `update_actor`, its
+data placed by the data-parallel dispatch, gives the same `pg_loss`, `grad_norm` and entropy with TP=2 (with and
+without sequence parallelism) as with TP=1 and as the FSDP engine, and every tensor peer trains on all the rows.
+
+The update is on-policy (no `old_log_prob`: ratio 1, the entropy from the update's own forward), in micro-batches
+of 2 rows whose log-probs are projected 7 tokens at a time, as the GPU benchmark's update is (32 rows, 4096-token
+chunks). Megatron's CUDA-only spots are pointed at the CPU as in `test_megatron_engine_cpu.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import partial
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
+
+from test_megatron_engine_cpu import _run_megatron_on_cpu
+
+from ketch.config import derive_batch_plan, load_config
+from ketch.config.schema import MegatronConfig
+from ketch.controller import DP_COMPUTE_PROTO
+from ketch.controller.dispatch import DataParallelLayout
+from ketch.protocol import DataProto
+from ketch.workers.common import role_dispatch_rank
+
+PROMPT, RESPONSE = 7, 5
+RUNS = {  # name: (strategy, megatron sizes, processes)
+    "fsdp": ("fsdp", MegatronConfig(), 1),
+    "tp1": ("megatron", MegatronConfig(), 1),
+    "tp2": ("megatron", MegatronConfig(tensor_model_parallel_size=2), 2),
+    "tp2-sp": ("megatron", MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 2),
+}
+
+
+def batch(vocab: int) -> DataProto:
+    """8 responses to 2 prompts (GRPO groups of 4): left-padded prompts, three responses cut short."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, vocab, (8, PROMPT + RESPONSE), generator=g)
+    attention = torch.ones_like(ids)
+    attention[0, :2] = attention[5, :4] = 0
+    attention[1, -2:] = attention[4, -1:] = attention[6, -4:] = 0
+    advantages = torch.randn(8, 1, generator=g).expand(8, RESPONSE) * attention[:, PROMPT:]
+    return DataProto.from_dict(
+        {
+            "input_ids": ids,
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+            "responses": ids[:, PROMPT:],
+            "response_mask": attention[:, PROMPT:],
+            "advantages": advantages.contiguous(),
+        }
+    )
+
+
+def actor_config(model_dir: str, run: str):
+    """The worker's config: fsdp while loading (a config with strategy=megatron on a CPU does not validate)."""
+    strategy, megatron, processes = RUNS[run]
+    config = load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            "model.dtype=float32",
+            "trainer.device=cpu",
+            f"trainer.n_cpu_workers={processes}",
+            "data.train_batch_size=2",
+            "rollout.n=4",
+            f"data.max_prompt_length={PROMPT}",
+            f"data.max_response_length={RESPONSE}",
+            "algorithm.adv_estimator=grpo",
+            "actor.ppo_mini_batch_size=null",
+            "actor.ppo_micro_batch_size_per_device=2",
+        ]
+    )
+    return dataclasses.replace(config, actor=dataclasses.replace(config.actor, strategy=strategy, megatron=megatron))
+
+
+def layout(config, processes: int) -> DataParallelLayout:
+    return DataParallelLayout.from_ranks([role_dispatch_rank(r, processes, config.actor) for r in range(processes)])
+
+
+def _worker(rank: int, run: str, model_dir: str, port: int, out: str) -> None:
+    processes = RUNS[run][2]
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _run_megatron_on_cpu()
+    import ketch.engine.megatron.engine as engine
+    from ketch.workers import ActorRolloutRefWorker
+
+    engine.chunked_vocab_parallel_log_probs = partial(engine.chunked_vocab_parallel_log_probs, chunk=7)
+    config = actor_config(model_dir, run)
+    worker = ActorRolloutRefWorker(config, model_dir, derive_batch_plan(config, config.world_size(False)), 1)
+    worker.init_model()
+    calls, _ = layout(config, processes).plan(DP_COMPUTE_PROTO, (batch(worker.hf_config.vocab_size),), {})
+    seen, loss = [], worker._loss
+
+    def recorded(out, micro, num_tokens, num_seqs):  # the rows, response tokens and loss denominator of each micro
+        seen.append((len(micro), int(micro.batch["response_mask"].sum()), num_tokens.item()))
+        return loss(out, micro, num_tokens, num_seqs)
+
+    worker._loss = recorded
+    result = worker.update_actor(*calls[rank][0])
+    torch.save((result, seen), f"{out}/{run}{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_megatron_tensor_parallel_update_matches_tp1_and_fsdp_through_the_actor_worker(tiny_model_dir, tmp_path):
+    metrics = {}
+    for port, run in enumerate(RUNS, start=29625):
+        processes = RUNS[run][2]
+        mp.start_processes(_worker, args=(run, str(tiny_model_dir), port, str(tmp_path)), nprocs=processes)
+        results = [torch.load(tmp_path / f"{run}{r}.pt", weights_only=False) for r in range(processes)]
+        for _, seen in results:  # every tensor peer: all 8 rows (shuffled 3 1 5 6 7 4 0 2) in micro-batches of 2
+            assert seen == [(2, 8, 33.0), (2, 6, 33.0), (2, 9, 33.0), (2, 10, 33.0)]  # 33 response tokens in all
+        gathered = layout(actor_config(str(tiny_model_dir), run), processes).gather(
+            DP_COMPUTE_PROTO, [result for result, _ in results], {}
+        )
+        metrics[run] = gathered.meta_info["metrics"]
+    for run in ("tp1", "tp2", "tp2-sp"):
+        for key in ("actor/pg_loss", "actor/entropy"):
+            assert metrics[run][key] == pytest.approx(metrics["fsdp"][key], abs=1e-5), (run, key)
+        assert metrics[run]["actor/grad_norm"] == pytest.approx(metrics["fsdp"]["actor/grad_norm"], rel=1e-4), run
