@@ -82,39 +82,40 @@ def layout(config, processes: int) -> DataParallelLayout:
     return DataParallelLayout.from_ranks([role_dispatch_rank(r, processes, config.actor) for r in range(processes)])
 
 
-def _worker(rank: int, run: str, model_dir: str, port: int, out: str) -> None:
-    processes = RUNS[run][2]
+def _workers(rank: int, processes: int, model_dir: str, port: int, out: str) -> None:
+    """The runs on `processes` processes, one after the other in the same processes (Megatron's grid is set up
+    once per process, and sequence parallelism is no part of it)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _run_megatron_on_cpu()
     import ketch.engine.megatron.engine as engine
     from ketch.workers import ActorRolloutRefWorker
 
     engine.chunked_vocab_parallel_log_probs = partial(engine.chunked_vocab_parallel_log_probs, chunk=7)
-    config = actor_config(model_dir, run)
-    worker = ActorRolloutRefWorker(config, model_dir, derive_batch_plan(config, config.world_size(False)), 1)
-    worker.init_model()
-    calls, _ = layout(config, processes).plan(DP_COMPUTE_PROTO, (batch(worker.hf_config.vocab_size),), {})
-    seen, loss = [], worker._loss
+    for run in (run for run, (_, _, n) in RUNS.items() if n == processes):
+        config = actor_config(model_dir, run)
+        worker = ActorRolloutRefWorker(config, model_dir, derive_batch_plan(config, config.world_size(False)), 1)
+        worker.init_model()
+        calls, _ = layout(config, processes).plan(DP_COMPUTE_PROTO, (batch(worker.hf_config.vocab_size),), {})
+        seen, loss = [], worker._loss
 
-    def recorded(out, micro, num_tokens, num_seqs):  # the rows, response tokens and loss denominator of each micro
-        seen.append((len(micro), int(micro.batch["response_mask"].sum()), num_tokens.item()))
-        return loss(out, micro, num_tokens, num_seqs)
+        def recorded(out, micro, num_tokens, num_seqs, loss=loss, seen=seen):  # rows, tokens, loss denominator
+            seen.append((len(micro), int(micro.batch["response_mask"].sum()), num_tokens.item()))
+            return loss(out, micro, num_tokens, num_seqs)
 
-    worker._loss = recorded
-    result = worker.update_actor(*calls[rank][0])
-    torch.save((result, seen), f"{out}/{run}{rank}.pt")
+        worker._loss = recorded
+        torch.save((worker.update_actor(*calls[rank][0]), seen), f"{out}/{run}{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_megatron_tensor_parallel_update_matches_tp1_and_fsdp_through_the_actor_worker(tiny_model_dir, tmp_path):
+    for processes, port in ((1, 29625), (2, 29626)):
+        mp.start_processes(_workers, args=(processes, str(tiny_model_dir), port, str(tmp_path)), nprocs=processes)
     metrics = {}
-    for port, run in enumerate(RUNS, start=29625):
-        processes = RUNS[run][2]
-        mp.start_processes(_worker, args=(run, str(tiny_model_dir), port, str(tmp_path)), nprocs=processes)
+    for run, (_, _, processes) in RUNS.items():
         results = [torch.load(tmp_path / f"{run}{r}.pt", weights_only=False) for r in range(processes)]
         for _, seen in results:  # every tensor peer: all 8 rows (shuffled 3 1 5 6 7 4 0 2) in micro-batches of 2
-            assert seen == [(2, 8, 33.0), (2, 6, 33.0), (2, 9, 33.0), (2, 10, 33.0)]  # 33 response tokens in all
+            assert seen == [(2, 8, 33.0), (2, 6, 33.0), (2, 9, 33.0), (2, 10, 33.0)], run  # 33 response tokens
         gathered = layout(actor_config(str(tiny_model_dir), run), processes).gather(
             DP_COMPUTE_PROTO, [result for result, _ in results], {}
         )
