@@ -1,6 +1,7 @@
 """The actor worker with `strategy=megatron` on CPU processes (gloo): one GRPO update through `update_actor`, its
 data placed by the data-parallel dispatch, gives the same `pg_loss`, `grad_norm` and entropy with TP=2 (with and
-without sequence parallelism) as with TP=1 and as the FSDP engine, and every tensor peer trains on all the rows.
+without sequence parallelism) as with TP=1 and as the FSDP engine, for tied and untied embeddings, and every
+tensor peer trains on all the rows.
 
 The update is on-policy (no `old_log_prob`: ratio 1, the entropy from the update's own forward), in micro-batches
 of 2 rows whose log-probs are projected 7 tokens at a time, as the GPU benchmark's update is (32 rows, 4096-token
@@ -29,12 +30,33 @@ from ketch.protocol import DataProto
 from ketch.workers.common import role_dispatch_rank
 
 PROMPT, RESPONSE = 7, 5
-RUNS = {  # name: (strategy, megatron sizes, processes)
-    "fsdp": ("fsdp", MegatronConfig(), 1),
-    "tp1": ("megatron", MegatronConfig(), 1),
-    "tp2": ("megatron", MegatronConfig(tensor_model_parallel_size=2), 2),
-    "tp2-sp": ("megatron", MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 2),
+TP2 = MegatronConfig(tensor_model_parallel_size=2)
+RUNS = {  # name: (strategy, megatron sizes, processes, model), the model "tied" or "untied" embeddings
+    "fsdp": ("fsdp", MegatronConfig(), 1, "tied"),
+    "tp1": ("megatron", MegatronConfig(), 1, "tied"),
+    "tp2": ("megatron", TP2, 2, "tied"),
+    "tp2-sp": ("megatron", dataclasses.replace(TP2, sequence_parallel=True), 2, "tied"),
+    "fsdp-untied": ("fsdp", MegatronConfig(), 1, "untied"),
+    "tp2-untied": ("megatron", TP2, 2, "untied"),
 }
+REFERENCE = {"tp1": "fsdp", "tp2": "fsdp", "tp2-sp": "fsdp", "tp2-untied": "fsdp-untied"}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
+    """The tiny model (tied embeddings) and an untied copy of its shape with its own random weights."""
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    from ketch.models.tiny import tiny_qwen2_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = tiny_qwen2_config(tokenizer, hidden_size=32, intermediate_size=64, num_layers=2, max_positions=128)
+    config.tie_word_embeddings = False
+    torch.manual_seed(1)
+    untied = tmp_path_factory.mktemp("untied")
+    Qwen2ForCausalLM(config).save_pretrained(untied)
+    tokenizer.save_pretrained(untied)
+    return {"tied": str(tiny_model_dir), "untied": str(untied)}
 
 
 def batch(vocab: int) -> DataProto:
@@ -59,7 +81,7 @@ def batch(vocab: int) -> DataProto:
 
 def actor_config(model_dir: str, run: str):
     """The worker's config: fsdp while loading (a config with strategy=megatron on a CPU does not validate)."""
-    strategy, megatron, processes = RUNS[run]
+    strategy, megatron, processes, _ = RUNS[run]
     config = load_config(
         overrides=[
             f"model.path={model_dir}",
@@ -82,7 +104,7 @@ def layout(config, processes: int) -> DataParallelLayout:
     return DataParallelLayout.from_ranks([role_dispatch_rank(r, processes, config.actor) for r in range(processes)])
 
 
-def _workers(rank: int, processes: int, model_dir: str, port: int, out: str) -> None:
+def _workers(rank: int, processes: int, models: dict[str, str], port: int, out: str) -> None:
     """The runs on `processes` processes, one after the other in the same processes (Megatron's grid is set up
     once per process, and sequence parallelism is no part of it)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -91,7 +113,8 @@ def _workers(rank: int, processes: int, model_dir: str, port: int, out: str) -> 
     from ketch.workers import ActorRolloutRefWorker
 
     engine.chunked_vocab_parallel_log_probs = partial(engine.chunked_vocab_parallel_log_probs, chunk=7)
-    for run in (run for run, (_, _, n) in RUNS.items() if n == processes):
+    for run in (run for run, (_, _, n, _) in RUNS.items() if n == processes):
+        model_dir = models[RUNS[run][3]]
         config = actor_config(model_dir, run)
         worker = ActorRolloutRefWorker(config, model_dir, derive_batch_plan(config, config.world_size(False)), 1)
         worker.init_model()
@@ -108,19 +131,19 @@ def _workers(rank: int, processes: int, model_dir: str, port: int, out: str) -> 
 
 
 @pytest.mark.slow
-def test_megatron_tensor_parallel_update_matches_tp1_and_fsdp_through_the_actor_worker(tiny_model_dir, tmp_path):
+def test_megatron_tensor_parallel_update_matches_tp1_and_fsdp_through_the_actor_worker(models, tmp_path):
     for processes, port in ((1, 29625), (2, 29626)):
-        mp.start_processes(_workers, args=(processes, str(tiny_model_dir), port, str(tmp_path)), nprocs=processes)
+        mp.start_processes(_workers, args=(processes, models, port, str(tmp_path)), nprocs=processes)
     metrics = {}
-    for run, (_, _, processes) in RUNS.items():
+    for run, (_, _, processes, model) in RUNS.items():
         results = [torch.load(tmp_path / f"{run}{r}.pt", weights_only=False) for r in range(processes)]
         for _, seen in results:  # every tensor peer: all 8 rows (shuffled 3 1 5 6 7 4 0 2) in micro-batches of 2
             assert seen == [(2, 8, 33.0), (2, 6, 33.0), (2, 9, 33.0), (2, 10, 33.0)], run  # 33 response tokens
-        gathered = layout(actor_config(str(tiny_model_dir), run), processes).gather(
+        gathered = layout(actor_config(models[model], run), processes).gather(
             DP_COMPUTE_PROTO, [result for result, _ in results], {}
         )
         metrics[run] = gathered.meta_info["metrics"]
-    for run in ("tp1", "tp2", "tp2-sp"):
+    for run, reference in REFERENCE.items():
         for key in ("actor/pg_loss", "actor/entropy"):
-            assert metrics[run][key] == pytest.approx(metrics["fsdp"][key], abs=1e-5), (run, key)
-        assert metrics[run]["actor/grad_norm"] == pytest.approx(metrics["fsdp"]["actor/grad_norm"], rel=1e-4), run
+            assert metrics[run][key] == pytest.approx(metrics[reference][key], abs=1e-5), (run, key)
+        assert metrics[run]["actor/grad_norm"] == pytest.approx(metrics[reference]["actor/grad_norm"], rel=1e-4), run

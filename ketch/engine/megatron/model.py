@@ -57,12 +57,21 @@ def transformer_config(
         enable_autocast=dtype != torch.float32,
         autocast_dtype=dtype,
         use_cpu_initialization=True,
+        init_method=_loaded_later,
+        output_layer_init_method=_loaded_later,
+        embedding_init_method=_loaded_later,
         calculate_per_token_loss=True,  # ketch's losses are already shares of the mini-batch mean: no rescaling
         # With two stages, a stage's previous and next peer are one rank; Megatron's even/odd ordered sends
         # keep activations and gradients apart there, which a single batched exchange does not.
         batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,
         **(recompute_kwargs if recompute else {}),
     )
+
+
+def _loaded_later(weight: torch.Tensor) -> None:
+    """Megatron's weight initializer, as a no-op: the engine loads every weight from the HF model, and a random
+    draw of a 7B model on the CPU takes a minute per process. (Megatron's `perform_initialization=False` would
+    also skip marking the tensor-parallel weights, which the gradient norm reads.)"""
 
 
 class VocabParallelHead(torch.nn.Module):
@@ -121,7 +130,7 @@ def block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None) ->
 
 
 def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_head: bool = False) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights;
+    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU, weights not yet loaded;
     `value_head`: a critic, whose last chunk ends in a `ValueHead`; else a policy's ends in a `VocabParallelHead`."""
     pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     models = []
