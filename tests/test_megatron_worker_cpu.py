@@ -1,7 +1,7 @@
 """The actor worker with `strategy=megatron` on CPU processes (gloo): one GRPO update through `update_actor`, its
 data placed by the data-parallel dispatch, gives the same `pg_loss`, `grad_norm` and entropy with TP=2 (with and
-without sequence parallelism) as with TP=1 and as the FSDP engine, for tied and untied embeddings, and every
-tensor peer trains on all the rows.
+without sequence parallelism, the latter with activation recomputation) as with TP=1 and as the FSDP engine, for
+tied and untied embeddings, and every tensor peer trains on all the rows.
 
 The update is on-policy (no `old_log_prob`: ratio 1, the entropy from the update's own forward), in micro-batches
 of 2 rows whose log-probs are projected 7 tokens at a time, as the GPU benchmark's update is (32 rows, 4096-token
@@ -23,23 +23,23 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from test_megatron_engine_cpu import _run_megatron_on_cpu
 
 from ketch.config import derive_batch_plan, load_config
-from ketch.config.schema import MegatronConfig
 from ketch.controller import DP_COMPUTE_PROTO
 from ketch.controller.dispatch import DataParallelLayout
 from ketch.protocol import DataProto
 from ketch.workers.common import role_dispatch_rank
 
 PROMPT, RESPONSE = 7, 5
-TP2 = MegatronConfig(tensor_model_parallel_size=2)
-RUNS = {  # name: (strategy, megatron sizes, processes, model), the model "tied" or "untied" embeddings
-    "fsdp": ("fsdp", MegatronConfig(), 1, "tied"),
-    "tp1": ("megatron", MegatronConfig(), 1, "tied"),
-    "tp2": ("megatron", TP2, 2, "tied"),
-    "tp2-sp": ("megatron", dataclasses.replace(TP2, sequence_parallel=True), 2, "tied"),
-    "fsdp-untied": ("fsdp", MegatronConfig(), 1, "untied"),
-    "tp2-untied": ("megatron", TP2, 2, "untied"),
+RECOMPUTE = "model.gradient_checkpointing=true"
+TP2 = ["actor.megatron.tensor_model_parallel_size=2"]
+RUNS = {  # name: (strategy, processes, model: "tied" or "untied" embeddings, config overrides)
+    "fsdp": ("fsdp", 1, "tied", []),
+    "tp1": ("megatron", 1, "tied", []),
+    "tp2": ("megatron", 2, "tied", TP2),
+    "tp2-sp-recompute": ("megatron", 2, "tied", [*TP2, "actor.megatron.sequence_parallel=true", RECOMPUTE]),
+    "fsdp-untied": ("fsdp", 1, "untied", []),
+    "tp2-untied": ("megatron", 2, "untied", TP2),
 }
-REFERENCE = {"tp1": "fsdp", "tp2": "fsdp", "tp2-sp": "fsdp", "tp2-untied": "fsdp-untied"}
+REFERENCE = {"tp1": "fsdp", "tp2": "fsdp", "tp2-sp-recompute": "fsdp", "tp2-untied": "fsdp-untied"}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def batch(vocab: int) -> DataProto:
 
 def actor_config(model_dir: str, run: str):
     """The worker's config: fsdp while loading (a config with strategy=megatron on a CPU does not validate)."""
-    strategy, megatron, processes, _ = RUNS[run]
+    strategy, processes, _, extra = RUNS[run]
     config = load_config(
         overrides=[
             f"model.path={model_dir}",
@@ -95,9 +95,10 @@ def actor_config(model_dir: str, run: str):
             "algorithm.adv_estimator=grpo",
             "actor.ppo_mini_batch_size=null",
             "actor.ppo_micro_batch_size_per_device=2",
+            *extra,
         ]
     )
-    return dataclasses.replace(config, actor=dataclasses.replace(config.actor, strategy=strategy, megatron=megatron))
+    return dataclasses.replace(config, actor=dataclasses.replace(config.actor, strategy=strategy))
 
 
 def layout(config, processes: int) -> DataParallelLayout:
@@ -109,12 +110,21 @@ def _workers(rank: int, processes: int, models: dict[str, str], port: int, out: 
     once per process, and sequence parallelism is no part of it)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _run_megatron_on_cpu()
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
     import ketch.engine.megatron.engine as engine
     from ketch.workers import ActorRolloutRefWorker
 
     engine.chunked_vocab_parallel_log_probs = partial(engine.chunked_vocab_parallel_log_probs, chunk=7)
-    for run in (run for run, (_, _, n, _) in RUNS.items() if n == processes):
-        model_dir = models[RUNS[run][3]]
+    layer_calls, layer_forward = [], TransformerLayer.forward
+
+    def counted(*args, **kwargs):  # Megatron's layer forwards, recomputations included
+        layer_calls.append(1)
+        return layer_forward(*args, **kwargs)
+
+    TransformerLayer.forward = counted
+    for run in (run for run, (_, n, _, _) in RUNS.items() if n == processes):
+        model_dir = models[RUNS[run][2]]
         config = actor_config(model_dir, run)
         worker = ActorRolloutRefWorker(config, model_dir, derive_batch_plan(config, config.world_size(False)), 1)
         worker.init_model()
@@ -126,7 +136,9 @@ def _workers(rank: int, processes: int, models: dict[str, str], port: int, out: 
             return loss(out, micro, num_tokens, num_seqs)
 
         worker._loss = recorded
-        torch.save((worker.update_actor(*calls[rank][0]), seen), f"{out}/{run}{rank}.pt")
+        layer_calls.clear()
+        result = worker.update_actor(*calls[rank][0])
+        torch.save((result, seen, len(layer_calls)), f"{out}/{run}{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -135,12 +147,14 @@ def test_megatron_tensor_parallel_update_matches_tp1_and_fsdp_through_the_actor_
     for processes, port in ((1, 29625), (2, 29626)):
         mp.start_processes(_workers, args=(processes, models, port, str(tmp_path)), nprocs=processes)
     metrics = {}
-    for run, (_, _, processes, model) in RUNS.items():
+    for run, (strategy, processes, model, extra) in RUNS.items():
         results = [torch.load(tmp_path / f"{run}{r}.pt", weights_only=False) for r in range(processes)]
-        for _, seen in results:  # every tensor peer: all 8 rows (shuffled 3 1 5 6 7 4 0 2) in micro-batches of 2
-            assert seen == [(2, 8, 33.0), (2, 6, 33.0), (2, 9, 33.0), (2, 10, 33.0)], run  # 33 response tokens
+        for _, seen, layer_calls in results:  # every tensor peer: all 8 rows (shuffled 3 1 5 6 7 4 0 2) in
+            assert seen == [(2, 8, 33.0), (2, 6, 33.0), (2, 9, 33.0), (2, 10, 33.0)], run  # micro-batches of 2
+            # Megatron's 2 layers run once per micro-batch, twice with recomputation (FSDP runs HF's layers)
+            assert layer_calls == {"fsdp": 0, "megatron": 8}[strategy] * (1 + (RECOMPUTE in extra)), run
         gathered = layout(actor_config(models[model], run), processes).gather(
-            DP_COMPUTE_PROTO, [result for result, _ in results], {}
+            DP_COMPUTE_PROTO, [result for result, _, _ in results], {}
         )
         metrics[run] = gathered.meta_info["metrics"]
     for run, reference in REFERENCE.items():

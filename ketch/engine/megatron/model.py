@@ -7,6 +7,7 @@ torch RMSNorm below), so neither Transformer Engine nor Apex is needed.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,20 +18,19 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from torch.utils.checkpoint import checkpoint
 
 from ketch.config.schema import MegatronConfig
 from ketch.engine.megatron.logprobs import sum_grad_over_ranks
 from ketch.engine.megatron.weights import ModelShape, rope_settings
 
 
-def transformer_config(
-    hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype, recompute: bool = False
-) -> TransformerConfig:
+def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype) -> TransformerConfig:
     """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes. Parameters (and
     activations between pipeline stages) stay float32; with `dtype` bfloat16/float16 the schedules run the
-    forward under autocast (as the FSDP engine's mixed precision); `recompute`: full activation recomputation."""
+    forward under autocast (as the FSDP engine's mixed precision). Activation recomputation is not Megatron's
+    (`recompute_layers`)."""
     shape = ModelShape.from_hf(hf_config)
-    recompute_kwargs = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=hf_config.hidden_size,
@@ -64,8 +64,15 @@ def transformer_config(
         # With two stages, a stage's previous and next peer are one rank; Megatron's even/odd ordered sends
         # keep activations and gradients apart there, which a single batched exchange does not.
         batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,
-        **(recompute_kwargs if recompute else {}),
     )
+
+
+def recompute_layers(chunk: GPTModel) -> None:
+    """Full activation recomputation: each transformer layer of `chunk` keeps only its input and runs again in
+    the backward pass, under the autocast of its forward. (Megatron's own `recompute_granularity=full` reruns
+    the layers outside autocast, in float32: slower than the forward and not the function that was run.)"""
+    for layer in chunk.decoder.layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
 
 
 def _loaded_later(weight: torch.Tensor) -> None:
