@@ -117,9 +117,7 @@ def _rank(
     torch.distributed.destroy_process_group()
 
 
-def run(
-    strategy: str, world: int, model_dir: Path, out: Path, megatron: MegatronConfig | None = None, recompute=False
-):
+def run(strategy: str, world: int, model_dir: Path, out: Path, megatron: MegatronConfig | None = None, recompute=False):
     mp.start_processes(_rank, args=(world, strategy, megatron, recompute, str(model_dir), str(out)), nprocs=world)
     return torch.load(out / f"{strategy}.pt", weights_only=False)
 
