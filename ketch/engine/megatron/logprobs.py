@@ -46,7 +46,7 @@ class _SumGradOverRanks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         if dist.is_initialized() and dist.get_world_size(ctx.group) > 1:
             dist.all_reduce(grad, group=ctx.group)
         return grad, None
