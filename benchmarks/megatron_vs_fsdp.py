@@ -1,6 +1,8 @@
-"""GRPO with the Megatron engine (TP=2 or PP=2 over two GPUs, or TP=1 on one) beside the FSDP engine (one GPU)
-on the GPU benchmark workload of `rl_step.py` (Qwen2.5-0.5B shape, random weights, 16 prompts x 8 samples,
-128 + 256 tokens, update micro-batches by a budget of 49,152 tokens).
+"""GRPO with the Megatron engine (TP=2 or PP=2 over two GPUs, or TP=1 on one) beside the FSDP engine (one GPU,
+or two) on the GPU benchmark workload of `rl_step.py` (Qwen2.5-0.5B shape, random weights, 16 prompts x 8
+samples, 128 + 256 tokens, update micro-batches by a budget of 49,152 tokens); `--scale 7b` runs the same
+workload on the Qwen2.5-7B shape (untied embeddings, micro-batches of 16 rows or 16,384 tokens), where
+`--set model.gradient_checkpointing=true` recomputes activations in both engines.
 
 Each run trains `--steps` steps from the same weights and prompts and records the per-step reward, policy loss,
 gradient norm and timings. After the last step the actor's rollout engine decodes greedily for the next batch
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from rl_step import SCALES, build_workload, overrides
+from rl_step import PEAK_BF16_FLOPS, SCALES, build_workload, matmul_parameters, overrides
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from ketch.config import load_config
@@ -31,12 +33,13 @@ from ketch.trainer.ppo import PPOTrainer
 MEGATRON = ["actor.strategy=megatron", "trainer.n_gpus_per_node=2"]
 RUNS = {
     "fsdp_1gpu": ["trainer.n_gpus_per_node=1"],
+    "fsdp_2gpu": ["trainer.n_gpus_per_node=2"],
     "megatron_tp1": ["actor.strategy=megatron", "trainer.n_gpus_per_node=1"],
     "megatron_tp2": [*MEGATRON, "actor.megatron.tensor_model_parallel_size=2"],
     "megatron_pp2": [*MEGATRON, "actor.megatron.pipeline_model_parallel_size=2"],
 }
 CURVES = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "timing_s/step", "timing_s/gen")
-CURVES += ("timing_s/update_actor", "timing_s/weight_sync")
+CURVES += ("timing_s/update_actor", "timing_s/weight_sync", "perf/total_num_tokens")
 
 
 def train(name: str, s: dict, model: Path, data: Path, args, root: Path, device: str) -> dict:
@@ -63,8 +66,11 @@ def train(name: str, s: dict, model: Path, data: Path, args, root: Path, device:
         "finite_grad_norm_steps": sum(math.isfinite(c["actor/grad_norm"]) for c in curves),
         "step_s_median": statistics.median(c["timing_s/step"] for c in timed),
         "update_actor_s_median": statistics.median(c["timing_s/update_actor"] for c in timed),
-        "peak_gpu_memory_gib": max(m["allocated_gib"] for m in trainer.actor_rollout.peak_device_memory()),
+        "peak_gpu_memory_gib_per_process": [m["allocated_gib"] for m in trainer.actor_rollout.peak_device_memory()],
     }
+    result["peak_gpu_memory_gib"] = max(result["peak_gpu_memory_gib_per_process"])
+    if device == "cuda":
+        result["update_mfu"] = update_mfu(timed, matmul_parameters(s), config.num_processes(gpu_visible=True))
     if args.no_greedy:
         return result
     prompts = trainer.loader.next_batch().select(batch_keys=["input_ids", "attention_mask", "position_ids"])
@@ -73,6 +79,13 @@ def train(name: str, s: dict, model: Path, data: Path, args, root: Path, device:
     trainer._finish(metrics)  # writes the HF export to run_dir/model
     export_tokens = greedy_with_transformers(trainer.run_dir / "model", prompts, s["response_len"], device)
     return result | {"greedy": compare(rollout_tokens, export_tokens)}
+
+
+def update_mfu(curves: list[dict], parameters: int, gpus: int) -> float:
+    """The median over steps of the actor update's model FLOPs (6 x `parameters` x the step's tokens) per
+    update second, as a fraction of the bf16 peak of `gpus` H200s (as `rl_step.py` reports it)."""
+    rates = [6 * parameters * c["perf/total_num_tokens"] / c["timing_s/update_actor"] for c in curves]
+    return statistics.median(rates) / (PEAK_BF16_FLOPS["cuda"] * gpus)
 
 
 def greedy_with_transformers(model_dir: Path, prompts: DataProto, new_tokens: int, device: str) -> torch.Tensor:
@@ -125,7 +138,7 @@ def main() -> None:
     s = SCALES[args.scale]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(tempfile.mkdtemp(prefix="ketch-megatron-vs-fsdp-"))
-    model, data = build_workload(root, s, args.steps + 1)
+    model, data = build_workload(root, s, args.steps + 1, device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "steps": args.steps, "runs": {}}

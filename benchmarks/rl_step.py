@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +57,7 @@ SCALES = {
         "response_len": 256,
         "micro": 32,
         "max_tokens": 49152,
+        "tied": True,
     },
     "small": {
         "vocab": 2048,
@@ -71,6 +72,22 @@ SCALES = {
         "response_len": 16,
         "micro": 16,
         "max_tokens": 512,
+        "tied": True,
+    },
+    "7b": {  # Qwen2.5-7B's shape: for Megatron TP=2 beside FSDP2 on two GPUs (with model.gradient_checkpointing)
+        "vocab": 152064,
+        "hidden": 3584,
+        "intermediate": 18944,
+        "layers": 28,
+        "heads": 28,
+        "kv_heads": 4,
+        "prompts": 16,
+        "n": 8,
+        "prompt_len": 128,
+        "response_len": 256,
+        "micro": 16,
+        "max_tokens": 16384,
+        "tied": False,
     },
 }
 PEAK_BF16_FLOPS = {"cuda": 989e12}
@@ -93,7 +110,9 @@ def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def build_workload(root: Path, s: dict, steps: int) -> tuple[Path, Path]:
+def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tuple[Path, Path]:
+    """The random bf16 model of scale `s` (`random_model`) with its tokenizer, and `steps` batches of prompts
+    under `root`; returns the model directory and the prompts' Parquet file."""
     tokenizer = word_tokenizer(s["vocab"])
     config = Qwen2Config(
         vocab_size=s["vocab"],
@@ -103,12 +122,13 @@ def build_workload(root: Path, s: dict, steps: int) -> tuple[Path, Path]:
         num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"],
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
+        tie_word_embeddings=s["tied"],
         pad_token_id=0,
         eos_token_id=1,
     )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "model")
+    random_model(config, matmul_parameters(s), device).save_pretrained(root / "model")
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the workers (or this process's engines) get the GPU memory back
     # A directory of its own: next to a Qwen2 config.json, AutoTokenizer would rebuild it as a Qwen2 (BPE) one.
     tokenizer.save_pretrained(root / "tokenizer")
     g = torch.Generator().manual_seed(0)
@@ -116,6 +136,17 @@ def build_workload(root: Path, s: dict, steps: int) -> tuple[Path, Path]:
     rows = [{"prompt": " ".join(f"w{i}" for i in row), "data_source": "bench", "answer": ""} for row in ids.tolist()]
     pq.write_table(pa.Table.from_pylist(rows), root / "prompts.parquet")
     return root / "model", root / "prompts.parquet"
+
+
+def random_model(config: Qwen2Config, parameters: int, device: str) -> Qwen2ForCausalLM:
+    """Random weights in bf16: below a billion `parameters` drawn in float32 on the CPU (the weights the recorded
+    results used), larger models directly in bf16 on `device` (a 7B model in float32 on the CPU takes 30 GB and
+    minutes to draw)."""
+    torch.manual_seed(0)
+    if parameters < 1e9:
+        return Qwen2ForCausalLM(config).to(torch.bfloat16)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
 def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> list[str]:
@@ -166,7 +197,7 @@ def run(args) -> dict:
     s = SCALES[args.scale] | ({"prompts": args.prompts} if args.prompts else {})
     root = Path(tempfile.mkdtemp(prefix="ketch-rl-step-"))
     total = args.warmup + args.steps
-    model, data = build_workload(root, s, total)
+    model, data = build_workload(root, s, total, args.device)
     config = load_config(overrides=overrides(s, model, data, args, total, root) + args.set)
     trainer = PPOTrainer(config)
     trainer._open()
@@ -253,7 +284,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, devices: int) -> di
     median["overhead"] = median["step"] - sum(v for k, v in median.items() if k not in ("step", "weight_sync"))
     tokens = [r["perf/total_num_tokens"] for r in records]
     new_tokens = [r["response_length/mean"] * rows for r in records]
-    params = _parameters(s)
+    params = matmul_parameters(s)
     result = {
         "variant": args.variant,
         "workload": args.workload,
@@ -281,7 +312,9 @@ def _median_rate(amounts: list[float], records: list[dict], stage: str) -> float
     return statistics.median(a / r[f"timing_s/{stage}"] for a, r in zip(amounts, records, strict=True))
 
 
-def _parameters(s: dict) -> int:
+def matmul_parameters(s: dict) -> int:
+    """Parameters of scale `s` that take part in a matmul: the layers and one vocabulary projection (an untied
+    input embedding is a lookup, so `6 x parameters x tokens` counts the FLOPs either way)."""
     attention = s["hidden"] * (s["hidden"] + 2 * s["hidden"] // s["heads"] * s["kv_heads"]) + s["hidden"] ** 2
     mlp = 3 * s["hidden"] * s["intermediate"]
     return s["layers"] * (attention + mlp) + s["vocab"] * s["hidden"]

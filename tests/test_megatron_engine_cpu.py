@@ -1,7 +1,7 @@
 """The Megatron engine on CPU processes (gloo) against a plain HF model: log-probs, entropy, the first update's
 loss and gradient norm, the log-probs after the step, the HF export and a checkpoint round trip, for tensor
-and sequence parallelism over two data-parallel ranks, and for interleaved pipeline parallelism (tied
-embeddings).
+and sequence parallelism over two data-parallel ranks, and for interleaved pipeline parallelism with activation
+recomputation (tied embeddings).
 
 Megatron-Core hard-wires CUDA in a few places that do no arithmetic: buffer and RNG-tracker placement
 (`torch.cuda.current_device`, the CUDA RNG tracker's fork), a tied embedding's first sync (`Tensor.cuda`),
@@ -90,7 +90,9 @@ def _run_megatron_on_cpu() -> None:
     schedules.torch = CpuTorch()
 
 
-def _rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port: int, out: str) -> None:
+def _rank(
+    rank: int, world: int, megatron: MegatronConfig, recompute: bool, model_dir: str, port: int, out: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     _run_megatron_on_cpu()
@@ -101,7 +103,8 @@ def _rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str, port:
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     optim = OptimConfig(lr=1e-3, grad_clip=0.0)
-    engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, torch.device("cpu"), optim, seed=0)
+    args = (hf_config, hf_reader(model_dir), megatron, torch.device("cpu"), optim)
+    engine = MegatronEngine(*args, seed=0, gradient_checkpointing=recompute)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     mine = batch(hf_config.vocab_size).chunk(dp_size)[dp_rank]
     before = engine.infer(mine, 3, calc_entropy=True)  # uneven micro-batches (3 + 1 rows) where 4 rows
@@ -138,17 +141,17 @@ def reference(model_dir: Path) -> tuple[dict, float, float, torch.Tensor, dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("megatron", "world", "layers", "port"),
+    ("megatron", "recompute", "world", "layers", "port"),
     [
-        (MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), 4, 2, 29621),  # TP 2 x DP 2
-        (MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2, 4, 29622),
+        (MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), False, 4, 2, 29621),  # TP 2 x DP 2
+        (MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), True, 2, 4, 29622),
     ],
-    ids=["tp2-sp-dp2", "pp2-vpp2"],
+    ids=["tp2-sp-dp2", "pp2-vpp2-recompute"],
 )
-def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, world, layers, port):
+def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, recompute, world, layers, port):
     sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": layers, "max_positions": 64}
     model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)  # tied embeddings, GQA 4/2
-    mp.start_processes(_rank, args=(world, megatron, str(model_dir), port, str(tmp_path)), nprocs=world)
+    mp.start_processes(_rank, args=(world, megatron, recompute, str(model_dir), port, str(tmp_path)), nprocs=world)
     out, loss, grad_norm, after, weights = reference(model_dir)
     mask = batch(100).batch["response_mask"].bool()
     dp_size = world // megatron.model_parallel_size

@@ -11,7 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ketch.engine.megatron.logprobs import chunked_vocab_parallel_log_probs, vocab_parallel_log_probs
+from ketch.engine.megatron.logprobs import (
+    chunked_vocab_parallel_log_probs,
+    sum_grad_over_ranks,
+    vocab_parallel_log_probs,
+)
 
 
 def test_two_token_vocabulary_by_hand():
@@ -66,7 +70,14 @@ def _rank(rank: int, port: int, out: str) -> None:
         states, labels.flatten(), weight[4 * rank : 4 * rank + 4], 4 * rank, chunk=4
     )
     chunked[0].sum().backward()
-    torch.save((log_prob.detach(), entropy.detach(), mine.grad, chunked[0].detach(), states.grad), f"{out}/{rank}.pt")
+    # as in the engine: Megatron's `[seq, batch, hidden]` states through the head, the `[batch, seq]` transpose of
+    # GPTModel's output projected; the gradient reaching the head is a (non-contiguous) transpose
+    replicated = _projection()[0].detach().view(3, 5, 6).transpose(0, 1).contiguous().requires_grad_()
+    hidden = sum_grad_over_ranks(replicated).transpose(0, 1).contiguous().flatten(0, 1)
+    weight_slice = weight[4 * rank : 4 * rank + 4]
+    chunked_vocab_parallel_log_probs(hidden, labels.flatten(), weight_slice, 4 * rank, chunk=4)[0].sum().backward()
+    outputs = (log_prob.detach(), entropy.detach(), mine.grad, chunked[0].detach(), states.grad, replicated.grad)
+    torch.save(outputs, f"{out}/{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -97,3 +108,5 @@ def test_two_ranks_with_half_the_vocabulary_each_match_the_full_softmax(tmp_path
     for r in ranks:
         torch.testing.assert_close(r[3], projected.detach(), rtol=0, atol=1e-5)
     torch.testing.assert_close(ranks[0][4] + ranks[1][4], states.grad, rtol=0, atol=1e-5)
+    for r in ranks:  # through `sum_grad_over_ranks`, every rank has the whole gradient
+        torch.testing.assert_close(r[5].transpose(0, 1).flatten(0, 1), states.grad, rtol=0, atol=1e-5)

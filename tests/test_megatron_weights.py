@@ -12,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
 
+from test_megatron_engine_cpu import _run_megatron_on_cpu
+
 from ketch.config.schema import MegatronConfig
 from ketch.engine.megatron.weights import (
     ModelShape,
@@ -159,44 +161,44 @@ def test_unmapped_architectures_are_refused_by_name():
         ModelShape.from_hf(LlamaConfig(**SIZES, attention_bias=True))
 
 
-def _build_and_load(rank: int, world: int, kind: str, tied: bool, tp: int, pp: int, port: int, out: str) -> None:
-    """One rank: build its GPTModel chunk on the CPU (gloo), check the adapter's keys/shapes, load, save back."""
+MODELS = (("qwen2", False), ("llama", True))
+"""The chunk-layout cases, both on a TP=2 x PP=2 grid (one set of processes): untied, and tied (whose last
+stage holds its own copy of the embedding as the output layer)."""
+
+
+def _build_and_load(rank: int, tp: int, pp: int, port: int, out: str) -> None:
+    """One rank: build its GPTModel chunk of each model on the CPU (gloo), check the adapter's keys/shapes,
+    load, save back."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp * pp)
+    _run_megatron_on_cpu()  # the tied embedding's first sync over the stages calls Tensor.cuda
     from megatron.core import parallel_state
 
     from ketch.engine.megatron.model import build_chunks, transformer_config
 
     parallel_state.initialize_model_parallel(tp, pp)
-    model = hf_model(kind, tied)
-    shape, parallel = ModelShape.from_hf(model.config), Parallel(tp=tp, pp=pp)
     coord = (parallel_state.get_pipeline_model_parallel_rank(), 0, parallel_state.get_tensor_model_parallel_rank())
-    (chunk,) = build_chunks(
-        model.config, transformer_config(model.config, MegatronConfig(tp, pp), torch.float32), coord[0]
-    )
-    ours = hf_to_megatron_chunk(model.state_dict().__getitem__, shape, parallel, coord)
-    theirs = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
-    assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}, coord
-    chunk.load_state_dict(ours, strict=False)
-    torch.save(
-        (coord, {k: v.clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}),
-        f"{out}/{rank}.pt",
-    )
+    for kind, tied in MODELS:
+        model = hf_model(kind, tied)
+        shape, parallel = ModelShape.from_hf(model.config), Parallel(tp=tp, pp=pp)
+        config = transformer_config(model.config, MegatronConfig(tp, pp), torch.float32)
+        (chunk,) = build_chunks(model.config, config, coord[0])
+        ours = hf_to_megatron_chunk(model.state_dict().__getitem__, shape, parallel, coord)
+        theirs = {k: v for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+        assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in ours.items()}, (kind, coord)
+        chunk.load_state_dict(ours, strict=False)
+        state = {k: v.clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
+        torch.save((coord, state), f"{out}/{kind}{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("kind", "tied", "tp", "pp", "port"), [("qwen2", False, 2, 2, 29571), ("llama", True, 2, 1, 29572)]
-)
-def test_megatron_gptmodel_chunks_have_the_adapters_layout(tmp_path, kind, tied, tp, pp, port):
-    world = tp * pp
-    mp.start_processes(
-        _build_and_load, args=(world, kind, tied, tp, pp, port, str(tmp_path)), nprocs=world, start_method="spawn"
-    )
-    chunks = dict(torch.load(tmp_path / f"{r}.pt") for r in range(world))
-    chunks = {(p, v, t): state for (p, v, t), state in chunks.items()}
-    model = hf_model(kind, tied)
-    hf = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    back = megatron_to_hf(chunks, ModelShape.from_hf(model.config), Parallel(tp=tp, pp=pp))
-    assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+def test_megatron_gptmodel_chunks_have_the_adapters_layout(tmp_path):
+    tp, pp = 2, 2
+    mp.start_processes(_build_and_load, args=(tp, pp, 29571, str(tmp_path)), nprocs=tp * pp, start_method="spawn")
+    for kind, tied in MODELS:
+        chunks = dict(torch.load(tmp_path / f"{kind}{r}.pt") for r in range(tp * pp))
+        model = hf_model(kind, tied)
+        hf = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        back = megatron_to_hf(chunks, ModelShape.from_hf(model.config), Parallel(tp=tp, pp=pp))
+        assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf), kind

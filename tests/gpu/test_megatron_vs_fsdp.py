@@ -1,6 +1,6 @@
 """Same weights, same batch: the FSDP engine on one GPU and the Megatron engine without model parallelism on one
-GPU, with TP=2 and with PP=2 on two GPUs give the same log-probs, first-update `pg_loss` and `grad_norm`, within
-bf16 tolerances.
+GPU, with TP=2 (also with sequence parallelism and activation recomputation under autocast) and with PP=2 on two
+GPUs give the same log-probs, first-update `pg_loss` and `grad_norm`, within bf16 tolerances.
 
 The model has the Qwen2.5-0.5B shape (24 layers, width 896, 14 query / 2 key-value heads, tied 151,936-token
 vocabulary) with random weights stored in bf16, so both engines start from identical values. With
@@ -83,7 +83,9 @@ def pg_loss_fn(out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: 
     return loss, {"pg_loss": loss.detach()}
 
 
-def _rank(rank: int, world: int, strategy: str, megatron: MegatronConfig | None, model_dir: str, out: str) -> None:
+def _rank(
+    rank: int, world: int, strategy: str, megatron: MegatronConfig | None, recompute: bool, model_dir: str, out: str
+) -> None:
     port = 29641 if megatron is None else 29642 + megatron.pipeline_model_parallel_size
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -105,7 +107,8 @@ def _rank(rank: int, world: int, strategy: str, megatron: MegatronConfig | None,
         from ketch.engine.megatron.engine import MegatronEngine, hf_reader
 
         hf_config = AutoConfig.from_pretrained(model_dir)
-        engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, device, optim, dtype=torch.bfloat16)
+        args = (hf_config, hf_reader(model_dir), megatron, device, optim)
+        engine = MegatronEngine(*args, dtype=torch.bfloat16, gradient_checkpointing=recompute)
     data = batch()
     log_probs = engine.infer(data, MICRO, calc_entropy=True)
     metrics = engine.train_mini_batch(data.split(MICRO), pg_loss_fn)
@@ -114,8 +117,8 @@ def _rank(rank: int, world: int, strategy: str, megatron: MegatronConfig | None,
     torch.distributed.destroy_process_group()
 
 
-def run(strategy: str, world: int, model_dir: Path, out: Path, megatron: MegatronConfig | None = None):
-    mp.start_processes(_rank, args=(world, strategy, megatron, str(model_dir), str(out)), nprocs=world)
+def run(strategy: str, world: int, model_dir: Path, out: Path, megatron: MegatronConfig | None = None, recompute=False):
+    mp.start_processes(_rank, args=(world, strategy, megatron, recompute, str(model_dir), str(out)), nprocs=world)
     return torch.load(out / f"{strategy}.pt", weights_only=False)
 
 
@@ -126,20 +129,28 @@ def fsdp_run(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "megatron",
+    ("megatron", "recompute"),
     [
-        pytest.param(MegatronConfig(), marks=pytest.mark.gpus(1), id="tp1"),
-        pytest.param(MegatronConfig(tensor_model_parallel_size=2), marks=pytest.mark.gpus(2), id="tp2"),
-        pytest.param(MegatronConfig(pipeline_model_parallel_size=2), marks=pytest.mark.gpus(2), id="pp2"),
+        pytest.param(MegatronConfig(), False, marks=pytest.mark.gpus(1), id="tp1"),
+        pytest.param(MegatronConfig(tensor_model_parallel_size=2), False, marks=pytest.mark.gpus(2), id="tp2"),
+        pytest.param(
+            MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+            True,
+            marks=pytest.mark.gpus(2),
+            id="tp2-sp-recompute",
+        ),
+        pytest.param(MegatronConfig(pipeline_model_parallel_size=2), False, marks=pytest.mark.gpus(2), id="pp2"),
     ],
 )
-def test_first_update_agrees_with_fsdp(model_dir, fsdp_run, tmp_path, megatron):
+def test_first_update_agrees_with_fsdp(model_dir, fsdp_run, tmp_path, megatron, recompute):
     fsdp_lp, fsdp = fsdp_run
-    mega_lp, mega = run("megatron", megatron.model_parallel_size, model_dir, tmp_path, megatron)
+    mega_lp, mega = run("megatron", megatron.model_parallel_size, model_dir, tmp_path, megatron, recompute)
     mask = batch().batch["response_mask"].bool()
     diff = (mega_lp["log_prob"] - fsdp_lp["log_prob"])[mask].abs()
     figures = {
-        "grid": f"tp{megatron.tensor_model_parallel_size}-pp{megatron.pipeline_model_parallel_size}",
+        "grid": f"tp{megatron.tensor_model_parallel_size}-pp{megatron.pipeline_model_parallel_size}"
+        + ("-sp" if megatron.sequence_parallel else "")
+        + ("-recompute" if recompute else ""),
         "log_prob_mean_abs": diff.mean().item(),
         "log_prob_max_abs": diff.max().item(),
         "entropy_mean_abs": (mega_lp["entropy"] - fsdp_lp["entropy"])[mask].abs().mean().item(),

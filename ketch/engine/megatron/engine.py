@@ -31,7 +31,7 @@ from ketch.engine.checkpoint import rng_state, set_rng_state
 from ketch.engine.engine import LossFn
 from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.megatron.logprobs import chunked_vocab_parallel_log_probs
-from ketch.engine.megatron.model import build_chunks, transformer_config
+from ketch.engine.megatron.model import build_chunks, recompute_layers, transformer_config
 from ketch.engine.megatron.weights import (
     ModelShape,
     Parallel,
@@ -109,9 +109,12 @@ class MegatronEngine:
             megatron.pipeline_model_parallel_size,
             megatron.virtual_pipeline_model_parallel_size,
         )
-        self.config = transformer_config(hf_config, megatron, dtype, gradient_checkpointing)
+        self.config = transformer_config(hf_config, megatron, dtype)
         self.pp_rank, self.tp_rank = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
         self.chunks = build_chunks(hf_config, self.config, self.pp_rank, value_head)
+        if gradient_checkpointing:
+            for chunk in self.chunks:
+                recompute_layers(chunk)
         for vp_stage, chunk in enumerate(self.chunks):
             state = hf_to_megatron_chunk(read, self.shape, self.parallel, (self.pp_rank, vp_stage, self.tp_rank))
             missing, unexpected = chunk.load_state_dict(state, strict=False)

@@ -32,6 +32,30 @@ def sum_over_ranks(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return _SumOverRanks.apply(tensor, group)
 
 
+class _SumGradOverRanks(torch.autograd.Function):
+    """Identity forward, all-reduce (sum) of the gradient backward: a tensor replicated over the group whose
+    ranks each compute part of the loss gets the gradient of the whole. (Megatron's
+    `copy_to_tensor_model_parallel_region` does this only for a contiguous gradient: it reduces a contiguous
+    copy and returns the original, so a transposed one, as GPTModel's `[batch, seq]` output gives it, was
+    left unsummed.)"""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        if dist.is_initialized() and dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over_ranks(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    return _SumGradOverRanks.apply(tensor, group)
+
+
 def vocab_parallel_log_probs(
     logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group=None, calc_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -7,31 +7,30 @@ torch RMSNorm below), so neither Transformer Engine nor Apex is needed.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from torch.utils.checkpoint import checkpoint
 
 from ketch.config.schema import MegatronConfig
+from ketch.engine.megatron.logprobs import sum_grad_over_ranks
 from ketch.engine.megatron.weights import ModelShape, rope_settings
 
 
-def transformer_config(
-    hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype, recompute: bool = False
-) -> TransformerConfig:
+def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype) -> TransformerConfig:
     """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes. Parameters (and
     activations between pipeline stages) stay float32; with `dtype` bfloat16/float16 the schedules run the
-    forward under autocast (as the FSDP engine's mixed precision); `recompute`: full activation recomputation."""
+    forward under autocast (as the FSDP engine's mixed precision). Activation recomputation is not Megatron's
+    (`recompute_layers`)."""
     shape = ModelShape.from_hf(hf_config)
-    recompute_kwargs = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=hf_config.hidden_size,
@@ -58,12 +57,28 @@ def transformer_config(
         enable_autocast=dtype != torch.float32,
         autocast_dtype=dtype,
         use_cpu_initialization=True,
+        init_method=_loaded_later,
+        output_layer_init_method=_loaded_later,
+        embedding_init_method=_loaded_later,
         calculate_per_token_loss=True,  # ketch's losses are already shares of the mini-batch mean: no rescaling
         # With two stages, a stage's previous and next peer are one rank; Megatron's even/odd ordered sends
         # keep activations and gradients apart there, which a single batched exchange does not.
         batch_p2p_comm=megatron.pipeline_model_parallel_size != 2,
-        **(recompute_kwargs if recompute else {}),
     )
+
+
+def recompute_layers(chunk: GPTModel) -> None:
+    """Full activation recomputation: each transformer layer of `chunk` keeps only its input and runs again in
+    the backward pass, under the autocast of its forward. (Megatron's own `recompute_granularity=full` reruns
+    the layers outside autocast, in float32: slower than the forward and not the function that was run.)"""
+    for layer in chunk.decoder.layers:
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def _loaded_later(weight: torch.Tensor) -> None:
+    """Megatron's weight initializer, as a no-op: the engine loads every weight from the HF model, and a random
+    draw of a 7B model on the CPU takes a minute per process. (Megatron's `perform_initialization=False` would
+    also skip marking the tensor-parallel weights, which the gradient norm reads.)"""
 
 
 class VocabParallelHead(torch.nn.Module):
@@ -80,7 +95,7 @@ class VocabParallelHead(torch.nn.Module):
         # each rank's projection gives part of the gradient of the states: sum it over the tensor ranks
         if self.sequence_parallel:
             return gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True), None
-        return copy_to_tensor_model_parallel_region(hidden_states), None
+        return sum_grad_over_ranks(hidden_states, mpu.get_tensor_model_parallel_group()), None
 
     def get_extra_state(self) -> None:  # the replaced layer's (empty) state-dict entry, so checkpoints match
         return None
@@ -122,7 +137,7 @@ def block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None) ->
 
 
 def build_chunks(hf_config: Any, config: TransformerConfig, pp_rank: int, value_head: bool = False) -> list[GPTModel]:
-    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU with random weights;
+    """This pipeline rank's model chunks (one, or one per virtual stage), on the CPU, weights not yet loaded;
     `value_head`: a critic, whose last chunk ends in a `ValueHead`; else a policy's ends in a `VocabParallelHead`."""
     pp, chunks = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
     models = []
