@@ -22,8 +22,11 @@ the compiler caches of the first run, `benchmarks/device/compile_wait.sh`).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
+import pstats
 import statistics
 import sys
 import tempfile
@@ -203,7 +206,8 @@ def run(args) -> dict:
     trainer._open()
     records = []
     for step in range(1, total + 1 + bool(args.profile)):  # a profiled step comes after the timed ones
-        with profiled_stage(args.profile if step > total else None, args.profile_stage):
+        first = args.profile_first_step if step == 1 else None
+        with profiled_stage(args.profile if step > total else None, args.profile_stage), host_profiled(first):
             records.append(trainer._train_step(trainer.loader.next_batch(), step))
         stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
         print(f"step {step}: {stages}", flush=True)
@@ -261,6 +265,25 @@ def profiled(out: str | None):
     tables.append(json.dumps({k: dict(v) for k, v in torch._dynamo.utils.counters.items()}, indent=1, default=str))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("\n\n".join(tables))
+
+
+@contextmanager
+def host_profiled(out: str | None):
+    """Profile the enclosed step's Python (cProfile: the host side, so first-use work such as dynamo's tracing,
+    cache loads, lazy library set-up and imports shows by function) and write its functions by cumulative and
+    by own time to `out`; only what runs in this process is seen (the one-GPU run without Ray)."""
+    if out is None:
+        yield
+        return
+    profile = cProfile.Profile()
+    with profile:
+        yield
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(120)
+    stats.sort_stats("tottime").print_stats(60)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text.getvalue())
 
 
 def worker_memory(groups) -> list[dict]:
@@ -343,6 +366,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--profile-stage", default="step", choices=["step", *STAGES[:-1]], help="profile only this stage of the step"
+    )
+    parser.add_argument(
+        "--profile-first-step", help="profile the first step's Python with cProfile; write its busiest functions here"
     )
     parser.add_argument("--out")
     args = parser.parse_args()

@@ -48,3 +48,18 @@ def test_variable_workload_stops_on_one_token_id_in_stop_every(rl_step):
     ignore, stops = rl_step.workload_overrides("variable", 300)
     assert ignore == "rollout.ignore_eos=false"
     assert stops == "rollout.stop_token_ids=[3,131,259]"
+
+
+def test_the_first_step_profile_lists_the_functions_that_ran_by_cumulative_and_own_time(rl_step, tmp_path):
+    def marked_work():
+        return sum(range(10_000))
+
+    with rl_step.host_profiled(None):  # no file: nothing profiled
+        marked_work()
+    out = tmp_path / "first_step.txt"
+    with rl_step.host_profiled(str(out)):
+        assert marked_work() == 49_995_000
+    text = out.read_text()
+    assert "marked_work" in text
+    assert "Ordered by: cumulative time" in text and "Ordered by: internal time" in text
+    assert list(tmp_path.iterdir()) == [out]

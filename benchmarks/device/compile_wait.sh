@@ -2,7 +2,8 @@
 # The compile wait in one device command: ketch GRPO on one GPU (fixed workload) twice with a fresh ketch cache
 # directory; the second run finds the first run's compiler caches (inductor, AOTAutograd) there. Prints each
 # run's first step against its warm step (`first_step_over_warm_step`, the goal: <= 2 in the second run) and
-# what compiled while it did (the `ketch.rollout` / `ketch.engine` log lines, dynamo's compile_times); then
+# what compiled while it did (the `ketch.rollout` / `ketch.engine` log lines, dynamo's compile_times); a third
+# run profiles its first step's Python (`--profile-first-step`: where the seconds outside dynamo go); then
 # checks the CUDA-graph decode against eager decoding (`decode_compile.py`: tokens that agree, should be ~1.0).
 # JSON results go to $OUT (or ./compile_wait_out), logs beside them. Run from the repository root with
 # PYTHONPATH set.
@@ -19,6 +20,11 @@ for run in 1 2; do
   sed -n '/^compilation in the first step/,/^step 2/p' "$out/compile_wait_run$run.log" | grep -E "bytecode_tracing|compile_inner|inductor_load|call_user_compiler"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"first step {r['first_step_s']:.2f} s, warm step {r['step_s']:.3f} s: ratio {r['first_step_over_warm_step']:.2f}; first step stages {r['first_step_seconds']}; decode {r['decode_tokens_per_s']:.0f} tokens/s\")" "$out/compile_wait_run$run.json"
 done
+echo "=== run 3 (caches warm), its first step profiled with cProfile (slower under the profiler: not the measurement) $(date -u +%T)"
+timeout 300 python3 benchmarks/rl_step.py --variant grpo --warmup 1 --steps 1 --out "$out/compile_wait_run3_profiled.json" \
+  --profile-first-step "$out/first_step_profile_run3.txt" >"$out/compile_wait_run3_profiled.log" 2>&1
+echo "rc=$?"
+head -n 60 "$out/first_step_profile_run3.txt"
 echo "=== the captured decode step against eager decoding (float32, 16 rows x (64 + 64) tokens) $(date -u +%T)"
 timeout 200 python3 benchmarks/decode_compile.py --rows 16 --prompt-len 64 --new-tokens 64 \
   --out "$out/decode_compile_check.json" >"$out/decode_compile_check.log" 2>&1

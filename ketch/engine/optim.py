@@ -3,21 +3,73 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ketch.config.schema import OptimConfig
 
 
 def build_optimizer(params, config: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over `params` (fused kernels on GPU)."""
-    return torch.optim.AdamW(
-        params,
-        lr=config.lr,
-        betas=tuple(config.betas),
-        weight_decay=config.weight_decay,
-        fused=device.type == "cuda",
-    )
+    """AdamW over `params` (fused kernels on the local shards on GPU: `ShardedFusedAdamW`)."""
+    kind = ShardedFusedAdamW if device.type == "cuda" else torch.optim.AdamW
+    return kind(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+
+
+class ShardedFusedAdamW(torch.optim.AdamW):
+    """AdamW whose step runs the fused kernel on each rank's local shards of the parameters, their gradients and
+    moments (`DTensor.to_local`; plain tensors as they are). AdamW works element by element, so this is the
+    sharded update itself, with the state (`step`, `exp_avg`, `exp_avg_sq`) laid out as torch's fused AdamW lays
+    it out (checkpoints are interchangeable). torch's own AdamW hands the DTensors to the fused kernel, and
+    DTensor's first sharding propagation over that many-tensor call is slow (torch 2.13 on a CPU: 1.3 s for
+    the 291 tensors of a 24-block model in the first step, 13 ms in a later one)."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8):
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=True)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedFusedAdamW.step takes no closure")
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for tensors in self._local_groups(group):
+                torch._foreach_add_(tensors[4], 1.0)
+                torch._fused_adamw_(
+                    *tensors[:4],
+                    [],
+                    tensors[4],
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    amsgrad=False,
+                    maximize=False,
+                )
+
+    def _local_groups(self, group: dict) -> list[list[list[torch.Tensor]]]:
+        """Per (device, dtype): local [params, grads, exp_avgs, exp_avg_sqs, steps] of the parameters with a
+        gradient, their state created on first use."""
+        lists = defaultdict(lambda: [[] for _ in range(5)])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            local = _local(p)
+            tensors = (local, _local(p.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]), state["step"])
+            for into, tensor in zip(lists[(local.device, local.dtype)], tensors, strict=True):
+                into.append(tensor)
+        return list(lists.values())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def lr_factor(step: int, config: OptimConfig, total_steps: int) -> float:

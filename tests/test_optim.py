@@ -1,0 +1,50 @@
+"""ShardedFusedAdamW: the fused AdamW step on each rank's local shards is torch's AdamW step."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ketch.engine.distributed import init_process_group
+from ketch.engine.engine import shard
+from ketch.engine.optim import ShardedFusedAdamW
+
+CPU = torch.device("cpu")
+
+
+def sharded_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(4, 4))
+    return shard(model, CPU, None)
+
+
+def test_steps_on_local_shards_equal_torch_fused_adamw_on_dtensors():
+    init_process_group(CPU)
+    models = [sharded_model(), sharded_model()]
+    assert all(isinstance(p, DTensor) for p in models[0].parameters())
+    kwargs = {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.05}
+    optimizers = [
+        ShardedFusedAdamW(models[0].parameters(), **kwargs),
+        torch.optim.AdamW(models[1].parameters(), fused=True, **kwargs),
+    ]
+    start = [p.full_tensor().clone() for p in models[0].parameters()]
+    for step in range(3):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            for i, p in enumerate(model.parameters()):
+                # the last layer's bias gets no gradient: it keeps its value and gets no state
+                p.grad = None if i == 5 else torch.full_like(p, 0.5 + step) * (i + 1)
+            optimizer.step()
+    ours, torchs = ([p.full_tensor() for p in m.parameters()] for m in models)
+    for mine, theirs in zip(ours, torchs, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=0, rtol=0)
+    assert (ours[0] != start[0]).all()  # lr 0.1: every weight moved
+    assert torch.equal(ours[5], start[5])
+    states = [o.state_dict()["state"] for o in optimizers]
+    assert sorted(states[0]) == sorted(states[1]) == [0, 1, 2, 3, 4]
+    for key in states[1]:
+        assert states[0][key]["step"].item() == states[1][key]["step"].item() == 3.0
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                states[0][key][moment].full_tensor(), states[1][key][moment].full_tensor(), atol=0, rtol=0
+            )
