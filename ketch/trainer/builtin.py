@@ -87,6 +87,7 @@ class Warmup:
     start: str | None = None
 
     def reached(self, metrics: dict[str, float]) -> bool:
+        """Whether the validation `metrics` of a step meet the target (the warm-up's `stop_when`)."""
         if self.metric.endswith("loss"):
             return metrics.get(self.metric, float("inf")) <= self.target
         return metrics.get(self.metric, 0.0) >= self.target
