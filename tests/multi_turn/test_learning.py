@@ -17,7 +17,7 @@ from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.sft import SFTTrainer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tool_calculator.yaml"
-CALL_RATE, ERROR_RATE = "val/multi_turn/tool_call_rate", "val/multi_turn/tool_error_rate"
+CALL_RATE = "val/multi_turn/tool_call_rate"
 RAN = "val/ketch/calculator/acc"
 """The mean validation score: with CALL_RAN, the share of trajectories whose tool call ran."""
 
@@ -45,11 +45,10 @@ def test_sft_teaches_the_call_format_and_grpo_raises_the_share_of_calls_that_run
     trainer = PPOTrainer(load_config(str(EXAMPLE), overrides=[*common, *rl, "trainer.experiment_name=grpo"]))
     trainer.fit()
     before, after = (r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if RAN in r)
-    # Measured (seed 0, 2 CPU cores): the arithmetic model writes no call through SFT step 60; at step 70 two
-    # thirds of the greedy trajectories call the tool and the call runs (0.656), and SFT stops there.
+    # Measured (seed 0, 2 CPU cores, two builds of the arithmetic model): no call through SFT step 60; at step 70
+    # a greedy tool-call rate of 0.66 or 0.98, and SFT stops there.
     assert curve[0][CALL_RATE] == 0.0
     assert curve[-1]["step"] <= 100 and curve[-1][CALL_RATE] >= 0.5, f"SFT did not teach the call format: {curve}"
-    # Measured: calls that ran 0.656 -> 0.766 and the tool-call rate 0.81 -> 0.94 in 10 GRPO steps; without a
-    # policy update (a reward that is always 0, say) the greedy validation stays exactly where it was.
+    # Measured: calls that ran 0.656 -> 0.766 and 0.859 -> 1.0 in 10 GRPO steps (the mean training reward 0.03 ->
+    # 0.08 and 0.11 -> 0.48); without a policy update the greedy validation stays exactly where it was.
     assert after[RAN] >= before[RAN] + 0.05, f"calls that ran: {before[RAN]:.3f} -> {after[RAN]:.3f}"
-    assert after[CALL_RATE] >= before[CALL_RATE] + 0.05, f"tool-call rate: {before[CALL_RATE]} -> {after[CALL_RATE]}"
