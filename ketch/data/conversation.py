@@ -9,12 +9,27 @@ the model's turns only."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from ketch.data.chat_templates import get_chat_template
+from ketch.data.chat_templates import get_chat_template, to_messages
 
 _MARK = "KETCH-TURN-MARK"
 """Stands for the model's sampled turn when rendering; the glue is what the template writes after it."""
+
+
+def prompt_messages(prompt: Any) -> list[dict[str, Any]]:
+    """A prompt cell as chat messages (a plain string becomes one user message)."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else to_messages(prompt)
+
+
+def row_tool_names(row: Mapping[str, Any]) -> list[str] | None:
+    """The names of the tools a row allows: its `tools` column, else `extra_info["tools"]`; None if it names none."""
+    names = row.get("tools")
+    extra = row.get("extra_info")
+    if names is None and isinstance(extra, Mapping):
+        names = extra.get("tools")
+    return None if names is None else list(names)
 
 
 class ChatRenderer:
@@ -61,12 +76,13 @@ def conversation_tokens(
     messages: list[dict[str, Any]],
     stop_token: int,
     stop: tuple[str, ...] = (),
+    tools: list[dict] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) of the response part of a conversation, `messages` being what follows the prompt: each
     assistant message is its content's tokens and `stop_token` (loss 1; no stop token where the content ends
     with one of the `stop` strings, as a rollout's turn ends there), each run of other messages (tool results,
-    user replies) the glue before the next assistant turn (loss 0). `messages` must begin and end with an
-    assistant message."""
+    user replies) the glue before the next assistant turn (loss 0), rendered with the JSON schemas `tools` as
+    the rollout renders it. `messages` must begin and end with an assistant message."""
     roles = [m.get("role") for m in messages]
     if not messages or roles[0] != "assistant" or roles[-1] != "assistant":
         raise ValueError(f"the response must begin and end with an assistant message; its roles: {roles}")
@@ -78,7 +94,7 @@ def conversation_tokens(
             pending.append(message)
             continue
         if pending:
-            glue = renderer.glue_ids(pending, None, ids[-1])
+            glue = renderer.glue_ids(pending, tools, ids[-1])
             ids, loss_mask, pending = ids + glue, loss_mask + [0] * len(glue), []
         content = message["content"]
         turn = renderer.encode(content) + ([] if content.endswith(tuple(stop)) else [stop_token])

@@ -4,7 +4,8 @@ Each sequence is prompt tokens + response tokens + EOS; the loss covers the resp
 may also be a list of messages that continues the conversation (assistant turns, tool results, user replies):
 it is tokenized as a multi-turn rollout holds it (`conversation_tokens`), each assistant turn ending with EOS
 (or, given `turn_stop`, the end of a tool call), and the loss covers the assistant turns only, never a tool
-result or the template around it.
+result or the template around it. Given `tools` (the JSON schemas of a multi-turn rollout's tools, by name),
+each prompt is rendered as that rollout renders it: its messages with the schemas of the tools the row allows.
 A sequence longer than `max_prompt_length + max_response_length` is handled per `data.truncation`:
 `left` drops tokens from the start (the prompt side, keeping the response whole where it fits),
 `right` drops tokens from the end (the response's tail, then its EOS, is lost), `error` raises.
@@ -22,7 +23,7 @@ from ketch.config.schema import DataConfig
 from ketch.data.batching import PackedSequences, encode, pad, pad_token_id, position_ids
 from ketch.data.builtin.files import resolve_data_files
 from ketch.data.chat_templates import to_messages
-from ketch.data.conversation import ChatRenderer, conversation_tokens
+from ketch.data.conversation import ChatRenderer, conversation_tokens, prompt_messages, row_tool_names
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
@@ -34,11 +35,16 @@ class SFTDataset(Dataset):
     `input_ids`, `attention_mask` (ones), `loss_mask` (0 on the prompt, 1 on the response and EOS; for a
     message-list response 1 on the assistant turns only), and `index` (int: the row's position in the
     concatenated files). `turn_stop`: the strings after which a rollout's turn ends (`</tool_call>`), where an
-    assistant turn gets no EOS.
+    assistant turn gets no EOS; `tools`: the rollout's tool schemas by name, shown to the model in the prompt.
     """
 
     def __init__(
-        self, data_files: str | list[str], tokenizer: Any, config: DataConfig, turn_stop: tuple[str, ...] = ()
+        self,
+        data_files: str | list[str],
+        tokenizer: Any,
+        config: DataConfig,
+        turn_stop: tuple[str, ...] = (),
+        tools: dict[str, dict] | None = None,
     ) -> None:
         if tokenizer.eos_token_id is None:
             raise DatasetError("SFTDataset ends every response with EOS, but the tokenizer has no EOS token")
@@ -47,8 +53,13 @@ class SFTDataset(Dataset):
         required = {config.prompt_key: "prompt_key", config.response_key: "response_key"}
         rows = read_parquet_files(files, required=required)
         row_ids = first_rows(rows, config)
-        prompts = encode(tokenizer, prompt_texts(rows, row_ids, tokenizer, config))
-        responses = _responses(rows, row_ids, tokenizer, config, turn_stop)
+        if tools is None:
+            prompts = encode(tokenizer, prompt_texts(rows, row_ids, tokenizer, config))
+            row_tools = [None] * len(row_ids)
+        else:
+            row_tools = [_row_tools(rows, row, tools) for row in row_ids]
+            prompts = _prompts_with_tools(rows, row_ids, row_tools, tokenizer, config)
+        responses = _responses(rows, row_ids, row_tools, tokenizer, config, turn_stop)
         sequences = [p + r for p, (r, _) in zip(prompts, responses, strict=True)]
         loss_masks = [[0] * len(p) + m for p, (_, m) in zip(prompts, responses, strict=True)]
         lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
@@ -94,8 +105,40 @@ def _truncate(sequence: list[int], limit: int, side: str) -> list[int]:
     return sequence[excess:] if side == "left" else sequence[: len(sequence) - excess]
 
 
+def _row_tools(rows: Rows, row: int, tools: dict[str, dict]) -> list[dict]:
+    """The schemas of the tools row `row` allows (its `tools` column or `extra_info["tools"]`, else all)."""
+    names = row_tool_names({key: rows.columns[key][row] for key in ("tools", "extra_info") if key in rows.columns})
+    unknown = sorted(set(names or ()) - set(tools))
+    if unknown:
+        raise DatasetError(
+            f"{rows.locate(row)}: the row allows tools {unknown} that are not loaded; add them to "
+            f"rollout.multi_turn.tools (loaded: {sorted(tools)})"
+        )
+    return [tools[name] for name in (tools if names is None else names)]
+
+
+def _prompts_with_tools(
+    rows: Rows, row_ids: np.ndarray, row_tools: list[list[dict]], tokenizer: Any, config: DataConfig
+) -> list[list[int]]:
+    """Each row's prompt ids as a multi-turn rollout renders them: the chat template given the row's tools."""
+    renderer = ChatRenderer(tokenizer, config.chat_template)
+    column = rows.columns[config.prompt_key]
+    prompts = []
+    for row, tools in zip(row_ids, row_tools, strict=True):
+        try:
+            prompts.append(renderer.prompt_ids(prompt_messages(column[row]), tools))
+        except ValueError as e:
+            raise DatasetError(f"{rows.locate(row)}, column {config.prompt_key!r}: {e}") from None
+    return prompts
+
+
 def _responses(
-    rows: Rows, row_ids: np.ndarray, tokenizer: Any, config: DataConfig, turn_stop: tuple[str, ...]
+    rows: Rows,
+    row_ids: np.ndarray,
+    row_tools: list[list[dict] | None],
+    tokenizer: Any,
+    config: DataConfig,
+    turn_stop: tuple[str, ...],
 ) -> list[tuple[list[int], list[int]]]:
     """(ids, loss_mask) of each row's response: a string and EOS (all trained), or a message list (assistant
     turns trained); a cell that is neither names its file and row."""
@@ -105,7 +148,7 @@ def _responses(
     encoded = dict(zip(texts, encode(tokenizer, list(texts.values())), strict=True)) if texts else {}
     renderer = None
     responses = []
-    for row in row_ids:
+    for row, tools in zip(row_ids, row_tools, strict=True):
         if row in encoded:
             ids = [*encoded[row], eos]
             responses.append((ids, [1] * len(ids)))
@@ -117,7 +160,7 @@ def _responses(
             )
         try:
             renderer = renderer or ChatRenderer(tokenizer, config.chat_template)
-            responses.append(conversation_tokens(renderer, to_messages(column[row]), eos, turn_stop))
+            responses.append(conversation_tokens(renderer, to_messages(column[row]), eos, turn_stop, tools))
         except ValueError as e:
             raise DatasetError(f"{where}: {e}") from None
     return responses

@@ -22,7 +22,6 @@ from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL, BUILTIN
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
 from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, CalculatorTask
-from ketch.data.builtin.calculator import DATA_SOURCE as CALCULATOR_SOURCE
 from ketch.models import local_or_hub, save_tiny_model, tiny_qwen2_config
 from ketch.models.gguf import cached_gguf_model, is_gguf
 from ketch.trainer.sft import SFTTrainer
@@ -55,9 +54,11 @@ CALCULATOR_WARMUP_OVERRIDES = (
     "data.max_prompt_length=32",
     "data.max_response_length=128",
     "data.train_batch_size=32",
-    "actor.optim.lr=0.001",
-    "actor.optim.warmup_steps=20",
-    "trainer.total_steps=1500",
+    "actor.optim.lr=0.003",
+    "actor.optim.warmup_steps=30",
+    "actor.optim.lr_scheduler=cosine",
+    "actor.optim.min_lr_ratio=0.2",
+    "trainer.total_steps=800",
     "trainer.test_freq=50",
     "trainer.log_interval=50",
     "trainer.seed=0",
@@ -65,17 +66,19 @@ CALCULATOR_WARMUP_OVERRIDES = (
     "rollout.multi_turn.tools=[calculate]",
 )
 """The calculator warm-up: SFT of `builtin:tiny-arithmetic` on demonstrations of the call format, validated with
-the tool in the loop. From the random model (lr 0.002) it wrote the call format but copied no digits through
-450 steps; from the arithmetic model at lr 0.001 it copies operands and results (accuracy 0.07 at step ~600 on
-a shared CPU; benchmarks/results/2026-12-01_cpu_tool_calculator_warmup.json)."""
+the tool in the loop. The call format is learned in ~100 steps; copying the operands into the call and the tool's
+result into the answer comes slowly (benchmarks/results/2026-12-01_cpu_tool_calculator_warmup.json). It stops
+once the validation loss is down to CALCULATOR_WARMUP_TARGET, where most digits are copied: greedy accuracy is
+still low (~0.1) and jumpy there, but GRPO then raises it; from a model that copied less (loss 0.09-0.10, accuracy
+0.09) GRPO did not."""
 
-CALCULATOR_WARMUP_TARGET = 0.2
+CALCULATOR_WARMUP_TARGET = 0.065
 
 
 @dataclass(frozen=True)
 class Warmup:
     """How a built-in model is made: a short SFT of the tiny model (or of the built-in model `start`) until
-    `metric` reaches `target`."""
+    `metric` reaches `target` (rises to it, or for a loss falls to it)."""
 
     task_hash: str
     overrides: tuple[str, ...]
@@ -83,13 +86,19 @@ class Warmup:
     target: float
     start: str | None = None
 
+    def reached(self, metrics: dict[str, float]) -> bool:
+        """Whether the validation `metrics` of a step meet the target (the warm-up's `stop_when`)."""
+        if self.metric.endswith("loss"):
+            return metrics.get(self.metric, float("inf")) <= self.target
+        return metrics.get(self.metric, 0.0) >= self.target
+
 
 WARMUPS = {
     BUILTIN_MODEL: Warmup(ArithmeticTask().settings_hash(), WARMUP_OVERRIDES, f"val/{DATA_SOURCE}/acc", WARMUP_TARGET),
     BUILTIN_CALCULATOR_MODEL: Warmup(
         CalculatorTask().settings_hash(),
         CALCULATOR_WARMUP_OVERRIDES,
-        f"val/{CALCULATOR_SOURCE}/acc",
+        "val/loss",
         CALCULATOR_WARMUP_TARGET,
         start=BUILTIN_MODEL,
     ),
@@ -141,7 +150,7 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
             save_tiny_model(init, build_char_tokenizer(), seed=0)
         overrides = [*warmup.overrides, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
         overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
-        SFTTrainer(load_config(overrides=overrides)).fit(stop_when=lambda m: m.get(warmup.metric, 0.0) >= warmup.target)
+        SFTTrainer(load_config(overrides=overrides)).fit(stop_when=warmup.reached)
         if not (target / "config.json").is_file():
             shutil.rmtree(target, ignore_errors=True)
             (Path(tmp) / "warmup" / "model").rename(target)

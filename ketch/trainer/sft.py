@@ -16,7 +16,7 @@ from ketch.models import load_model_config, load_tokenizer, local_or_hub
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
-from ketch.rollout.multi_turn import turn_stop_strings
+from ketch.rollout.multi_turn import tool_schemas, turn_stop_strings
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
@@ -52,10 +52,10 @@ class SFTTrainer:
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
-        turn_stop = turn_stop_strings(c, tokenizer)
-        self.train_set = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data, turn_stop)
+        demo = {"turn_stop": turn_stop_strings(c, tokenizer), "tools": tool_schemas(c)}  # as the rollout renders it
+        self.train_set = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data, **demo)
         val_files = resolve_data_files(c.data.val_files)
-        self.val_set = SFTDataset(val_files, tokenizer, c.data, turn_stop) if val_files else None
+        self.val_set = SFTDataset(val_files, tokenizer, c.data, **demo) if val_files else None
         self.val_prompts = RLHFDataset(val_files, tokenizer, c.data) if val_files else None
         if self.val_prompts is not None and self.val_prompts[0]["ground_truth"] is None:
             self.val_prompts = None

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from ketch.algorithms import get_policy_loss
 from ketch.config import load_config
-from ketch.data import RLHFDataset, SFTDataset, build_char_tokenizer
-from ketch.data.builtin.calculator import CALL, builtin_calculator_files
+from ketch.data import DatasetError, RLHFDataset, SFTDataset, build_char_tokenizer
+from ketch.data.builtin.calculator import CALL, builtin_calculator_files, demonstration
+from ketch.data.chat_templates import CHAT_TEMPLATES
 from ketch.data.values import object_array
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.rollout.base import Rollout, rollout_output
-from ketch.rollout.multi_turn import MultiTurnRollout, environment_factory
+from ketch.rollout.multi_turn import MultiTurnRollout, environment_factory, tool_schemas, turn_stop_strings
 
 SCRIPT = {
     "3*4=": [CALL.format("3*4"), CALL.format("12+1"), "#### 13"],  # two tool calls, then the answer
@@ -34,7 +37,7 @@ class ScriptedPolicy(Rollout):
         rows = []
         for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"].bool(), strict=True):
             context = self.tokenizer.decode(ids[mask].tolist())
-            question = context.split("\n")[0].removeprefix("user: ")
+            question = next(line for line in context.split("\n") if line.startswith("user: ")).removeprefix("user: ")
             turn = self.script[question][context.count("assistant: ") - 1]
             rows.append(self.tokenizer(turn)["input_ids"] + [self.tokenizer.eos_token_id])
         responses = torch.zeros(len(rows), self.max_response_length, dtype=torch.long)
@@ -49,7 +52,10 @@ class ScriptedPolicy(Rollout):
         return 0.0
 
 
-def run(prompts: list, *overrides: str, script: dict[str, list[str]] = SCRIPT) -> tuple[DataProto, ScriptedPolicy]:
+def run(
+    prompts: list, *overrides: str, script: dict[str, list[str]] = SCRIPT, tokenizer=None, **columns: list
+) -> tuple[DataProto, ScriptedPolicy]:
+    """The turn loop over `prompts` (other non-tensor columns in `columns`) with the scripted policy."""
     config = load_config(
         overrides=[
             "rollout.multi_turn.enable=true",
@@ -59,12 +65,13 @@ def run(prompts: list, *overrides: str, script: dict[str, list[str]] = SCRIPT) -
             *overrides,
         ]
     )
-    tokenizer = build_char_tokenizer()
+    tokenizer = tokenizer or build_char_tokenizer()
     policy = ScriptedPolicy(tokenizer, config.data.max_response_length, script)
     rollout = MultiTurnRollout(policy, config, tokenizer, environment_factory(config, tokenizer))
     raw = object_array(prompts)
     dummy = torch.zeros(len(prompts), 1, dtype=torch.long)  # the loop renders the prompts itself
-    batch = DataProto.from_dict({"input_ids": dummy}, {"raw_prompt": raw}, {"temperature": 1.0})
+    non_tensors = {"raw_prompt": raw} | {key: object_array(values) for key, values in columns.items()}
+    batch = DataProto.from_dict({"input_ids": dummy}, non_tensors, {"temperature": 1.0})
     return rollout.generate(batch), policy
 
 
@@ -155,6 +162,37 @@ def test_the_calculator_demonstrations_are_the_tokens_of_a_rollout():
     # answer and EOS.
     glue = len(f"\ntool: {answer}\nassistant: ")
     assert response_mask == [1] * (77 + len(expression)) + [0] * glue + [1] * (len(f"#### {answer}") + 1)
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
+    + CHAT_TEMPLATES["plain"]
+)
+"""The built-in `plain` template with a first line naming the tools it is given."""
+
+
+def test_sft_renders_the_prompt_with_the_tools_its_row_allows_as_the_rollout_does(tmp_path):
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    loaded = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculate,python]"]
+    loaded += ["data.max_prompt_length=48", "data.max_response_length=128"]
+    config = load_config(overrides=loaded)
+    prompt = [{"role": "user", "content": "3*4="}]
+    rows = [{"prompt": prompt, "response": demonstration(3, 4), "tools": ["calculate"]}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "demo.parquet")
+    demo_format = {"turn_stop": turn_stop_strings(config, tokenizer), "tools": tool_schemas(config)}
+    demo = SFTDataset(str(tmp_path / "demo.parquet"), tokenizer, config.data, **demo_format)[0]
+    script = {"3*4=": [CALL.format("3*4"), "#### 12"]}
+    out, _ = run([prompt], *loaded, script=script, tokenizer=tokenizer, tools=[["calculate"]])
+    b = out.batch
+    prompt_ids = b["prompts"][0][b["attention_mask"][0, :48].bool()].tolist()
+    assert tokenizer.decode(prompt_ids) == "tools: calculate\nuser: 3*4=\nassistant: "
+    response_ids = b["responses"][0][b["attention_mask"][0, 48:].bool()].tolist()
+    assert demo["input_ids"].tolist() == prompt_ids + response_ids
+    rows[0]["tools"] = ["search"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "demo.parquet")
+    with pytest.raises(DatasetError, match=r"demo.parquet, row 0: the row allows tools \['search'\] that are not"):
+        SFTDataset(str(tmp_path / "demo.parquet"), tokenizer, config.data, **demo_format)
 
 
 REWARD = """

@@ -32,6 +32,7 @@ __all__ = [
     "register_tool",
     "resolve_tools",
     "tool",
+    "tool_schemas",
     "trajectory_metrics",
     "turn_stop_strings",
     "with_multi_turn",
@@ -64,6 +65,16 @@ def turn_stop_strings(config: KetchConfig, tokenizer) -> tuple[str, ...]:
     if not mt.enable or mt.environment:
         return ()
     return get_parser(mt.format, getattr(tokenizer, "chat_template", None)).stop
+
+
+def tool_schemas(config: KetchConfig) -> dict[str, dict] | None:
+    """The JSON schemas of the tool environment's tools by name, which the rollout shows the model in the prompt
+    (for demonstrations rendered the same way); None without `rollout.multi_turn.enable` or with a user
+    environment."""
+    mt = config.rollout.multi_turn
+    if not mt.enable or mt.environment:
+        return None
+    return {name: t.schema for name, t in resolve_tools(list(mt.tools)).items()}
 
 
 def load_environment_class(spec: str) -> type:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
-from ketch.data.chat_templates import to_messages
+from ketch.data.conversation import prompt_messages, row_tool_names
 from ketch.rollout.multi_turn.parsers import Parser, ToolCall
 from ketch.rollout.multi_turn.tools import Tool
 
@@ -37,7 +37,7 @@ def row_messages(row: dict[str, Any]) -> list[Message]:
     prompt = row.get("raw_prompt")
     if prompt is None:
         raise ValueError("a multi-turn rollout needs each row's raw_prompt (the dataset's prompt column)")
-    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else to_messages(prompt)
+    return prompt_messages(prompt)
 
 
 class ToolEnvironment:
@@ -57,10 +57,7 @@ class ToolEnvironment:
 
     def reset(self, row: dict[str, Any]) -> list[Message]:
         """The row's prompt; a `tools` column or `extra_info["tools"]` (a list of names) limits the tools."""
-        extra = row.get("extra_info")
-        allowed = row.get("tools")
-        if allowed is None and isinstance(extra, dict):
-            allowed = extra.get("tools")
+        allowed = row_tool_names(row)
         if allowed is not None:
             unknown = [name for name in allowed if name not in self.all_tools]
             if unknown:

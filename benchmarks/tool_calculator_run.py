@@ -1,0 +1,96 @@
+"""Time `ketch train --config-path examples/tool_calculator.yaml`, both warm-ups included, and record its curve.
+
+    PYTHONPATH=. python3 benchmarks/tool_calculator_run.py --empty-cache --out benchmarks/results/x.json [overrides]
+
+With `--empty-cache` the built-in data and both built-in models (`builtin:tiny-arithmetic`, then
+`builtin:tiny-calculator` from it) are built afresh in a temporary cache, as on a fresh clone. Prints and
+writes: wall and CPU seconds of each warm-up and of the GRPO run, the median seconds of each step stage, the
+greedy validation accuracy, tool-call rate and tool error rate at every validation, torch's thread count and
+the machine's load average (the figures are only comparable on an otherwise idle machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ketch.config import load_config
+from ketch.config.schema import BUILTIN_MODEL
+from ketch.tracking import read_metrics
+from ketch.trainer import builtin
+from ketch.trainer.ppo import PPOTrainer
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "tool_calculator.yaml"
+CURVES = {
+    "val_acc": "val/ketch/calculator/acc",
+    "val_tool_call_rate": "val/multi_turn/tool_call_rate",
+    "val_tool_error_rate": "val/multi_turn/tool_error_rate",
+}
+
+
+def timed(fn, *args):
+    """(result, wall seconds, CPU seconds of this process and its finished children) of `fn(*args)`."""
+    wall, cpu = time.perf_counter(), _cpu_seconds()
+    result = fn(*args)
+    return result, round(time.perf_counter() - wall, 1), round(_cpu_seconds() - cpu, 1)
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--empty-cache", action="store_true", help="build data and both warm-ups in a fresh cache")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for ketch train")
+    args = parser.parse_args()
+    runs = tempfile.mkdtemp(prefix="ketch-tool-calculator-")
+    if args.empty_cache:
+        os.environ["KETCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="ketch-cache-")
+    start, load_before = time.perf_counter(), os.getloadavg()
+    config = load_config(str(CONFIG), overrides=[f"trainer.default_local_dir={runs}", *args.overrides])
+    arithmetic = load_config(overrides=[f"model.path={BUILTIN_MODEL}", f"trainer.device={config.trainer.device}"])
+    _, arithmetic_wall, arithmetic_cpu = timed(builtin.resolve_model_path, arithmetic)
+    _, calculator_wall, calculator_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
+    trainer = PPOTrainer(config)
+    _, rl_wall, rl_cpu = timed(trainer.fit)
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    steps = [r for r in records if "timing_s/step" in r][1:]  # the first step includes one-off start-up work
+    stages = sorted({k for r in steps for k in r if k.startswith("timing_s/")})
+    result = {
+        "overrides": args.overrides,
+        "empty_cache": args.empty_cache,
+        "total_wall_s": round(time.perf_counter() - start, 1),
+        "arithmetic_warmup_wall_s": arithmetic_wall,
+        "arithmetic_warmup_cpu_s": arithmetic_cpu,
+        "calculator_warmup_wall_s": calculator_wall,
+        "calculator_warmup_cpu_s": calculator_cpu,
+        "grpo_wall_s": rl_wall,
+        "grpo_cpu_s": rl_cpu,
+        "median_stage_s": {
+            k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steps if k in r), 3) for k in stages
+        },
+        **{name: {r["step"]: round(r[key], 3) for r in records if key in r} for name, key in CURVES.items()},
+        "torch_threads": torch.get_num_threads(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
