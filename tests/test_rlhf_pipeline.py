@@ -1,6 +1,7 @@
 """The built-in RLHF pipeline of `examples/rlhf_pipeline/builtin/`, end to end: SFT on demonstrations of mixed
-quality, a reward model on preference pairs, then PPO rewarded by the reward model alone (slow: about four
-minutes on 2 CPU cores)."""
+quality, a reward model on preference pairs, then PPO rewarded by the reward model alone (slow: about three
+minutes on 2 CPU cores). The test validates only where it asserts, and trains the reward model half as long as
+the example does."""
 
 from __future__ import annotations
 
@@ -26,21 +27,22 @@ def step_config(step: str, command: str, runs: Path, *overrides: str):
 
 @pytest.mark.slow
 def test_ppo_with_a_reward_model_alone_raises_the_rule_based_accuracy(tmp_path):
-    sft_config = step_config("sft", "sft", tmp_path)
+    sft_config = step_config("sft", "sft", tmp_path, "trainer.test_freq=0")
     SFTTrainer(sft_config, resolve_model_path(sft_config)).fit()
     sft_model = tmp_path / "rlhf-sft" / "model"
-    rm_metrics = RMTrainer(step_config("rm", "rm", tmp_path, f"model.path={sft_model}")).fit()
-    # Measured: 0.910 (format and far misses are learned; near misses stay hard for a tiny model).
+    rm_steps = ("trainer.total_steps=500", "trainer.test_freq=500")
+    rm_metrics = RMTrainer(step_config("rm", "rm", tmp_path, f"model.path={sft_model}", *rm_steps)).fit()
+    # Measured: 0.912 after 500 steps (0.894 at 250, 0.934 at 1000): format and far misses are learned, near
+    # misses stay hard for a tiny model.
     assert rm_metrics["val/pairwise_acc"] > 0.9
 
-    ppo = PPOTrainer(
-        step_config(
-            "ppo", "train", tmp_path, f"model.path={sft_model}", f"reward.model.path={tmp_path / 'rlhf-rm' / 'model'}"
-        )
-    )
+    rm_model = tmp_path / "rlhf-rm" / "model"
+    ppo_overrides = (f"model.path={sft_model}", f"reward.model.path={rm_model}", "trainer.test_freq=60")
+    ppo = PPOTrainer(step_config("ppo", "train", tmp_path, *ppo_overrides))
     ppo.fit()
     records = read_metrics(ppo.run_dir / "metrics.jsonl")
     assert all("reward/rule/mean" not in r for r in records) and "reward/model/mean" in records[1]
     first, last = records[0][ACC], records[-1][ACC]
-    # Measured: 0.258 -> 0.367 in 60 steps, the format learned from the reward model.
+    # Measured: 0.531 -> 0.629 in 60 steps (0.531 -> 0.633 with the 1000-step reward model), the format learned
+    # from the reward model.
     assert last >= first + 0.05, f"validation accuracy went from {first:.3f} to {last:.3f}"
