@@ -154,6 +154,7 @@ def test_decode_shapes_leave_the_training_blocks_compile_static(tiny_model_dir):
     from ketch.engine.engine import compile_blocks
     from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
+    torch._dynamo.reset()  # forget the shapes that earlier tests of this process compiled the blocks for
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)
     StaticDecoder(model, compile_step=True, buckets=False, backend="eager").generate(
         input_ids, attention_mask, 3, Sampling(do_sample=False), None, pad_token_id=0
