@@ -32,15 +32,30 @@ ACC = "val/ketch/arithmetic/acc"
 
 
 def timed(fn, *args):
-    """(result, wall seconds, CPU seconds of this process) of `fn(*args)`."""
-    wall, cpu = time.perf_counter(), time.process_time()
+    """(result, wall seconds, CPU seconds of this process and its finished children) of `fn(*args)`."""
+    wall, cpu = time.perf_counter(), _cpu_seconds()
     result = fn(*args)
-    return result, time.perf_counter() - wall, time.process_time() - cpu
+    return result, time.perf_counter() - wall, _cpu_seconds() - cpu
 
 
-def median(records: list[dict], key: str) -> float:
-    """Median of `key` over the records that have it (validation times only come with validated steps)."""
-    return round(statistics.median(r[key] for r in records if key in r), 3)
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def stage_medians(records: list[dict]) -> dict[str, float]:
+    """Median seconds of each `timing_s/` stage over the steps after the first (which includes one-off start-up
+    work); a stage counts over the steps that have it (validation times only come with validated steps)."""
+    steps = [r for r in records if "timing_s/step" in r][1:]
+    stages = sorted({k for r in steps for k in r if k.startswith("timing_s/")})
+    return {k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steps if k in r), 3) for k in stages}
+
+
+def emit(result: dict, out: Path | None) -> None:
+    """Print `result` as JSON and write it to `out` when given."""
+    print(json.dumps(result, indent=2))
+    if out:
+        out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def main() -> None:
@@ -58,8 +73,6 @@ def main() -> None:
     trainer = PPOTrainer(config)
     _, rl_wall, rl_cpu = timed(trainer.fit)
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
-    steps = [r for r in records if "timing_s/step" in r][1:]  # the first step includes one-off start-up work
-    stages = sorted({k for r in steps for k in r if k.startswith("timing_s/")})
     result = {
         "overrides": args.overrides,
         "empty_cache": args.empty_cache,
@@ -68,14 +81,12 @@ def main() -> None:
         "warmup_cpu_s": round(warmup_cpu, 1),
         "rl_wall_s": round(rl_wall, 1),
         "rl_cpu_s": round(rl_cpu, 1),
-        "median_stage_s": {k.removeprefix("timing_s/"): median(steps, k) for k in stages},
+        "median_stage_s": stage_medians(records),
         "val_acc": {r["step"]: round(r[ACC], 3) for r in records if ACC in r},
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ the machine's load average (the figures are only comparable on an otherwise idle
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -23,6 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from default_run import emit, stage_medians, timed
 
 from ketch.config import load_config
 from ketch.config.schema import BUILTIN_MODEL
@@ -36,18 +36,6 @@ CURVES = {
     "val_tool_call_rate": "val/multi_turn/tool_call_rate",
     "val_tool_error_rate": "val/multi_turn/tool_error_rate",
 }
-
-
-def timed(fn, *args):
-    """(result, wall seconds, CPU seconds of this process and its finished children) of `fn(*args)`."""
-    wall, cpu = time.perf_counter(), _cpu_seconds()
-    result = fn(*args)
-    return result, round(time.perf_counter() - wall, 1), round(_cpu_seconds() - cpu, 1)
-
-
-def _cpu_seconds() -> float:
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
 
 
 def main() -> None:
@@ -67,29 +55,23 @@ def main() -> None:
     trainer = PPOTrainer(config)
     _, rl_wall, rl_cpu = timed(trainer.fit)
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
-    steps = [r for r in records if "timing_s/step" in r][1:]  # the first step includes one-off start-up work
-    stages = sorted({k for r in steps for k in r if k.startswith("timing_s/")})
     result = {
         "overrides": args.overrides,
         "empty_cache": args.empty_cache,
         "total_wall_s": round(time.perf_counter() - start, 1),
-        "arithmetic_warmup_wall_s": arithmetic_wall,
-        "arithmetic_warmup_cpu_s": arithmetic_cpu,
-        "calculator_warmup_wall_s": calculator_wall,
-        "calculator_warmup_cpu_s": calculator_cpu,
-        "grpo_wall_s": rl_wall,
-        "grpo_cpu_s": rl_cpu,
-        "median_stage_s": {
-            k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steps if k in r), 3) for k in stages
-        },
+        "arithmetic_warmup_wall_s": round(arithmetic_wall, 1),
+        "arithmetic_warmup_cpu_s": round(arithmetic_cpu, 1),
+        "calculator_warmup_wall_s": round(calculator_wall, 1),
+        "calculator_warmup_cpu_s": round(calculator_cpu, 1),
+        "grpo_wall_s": round(rl_wall, 1),
+        "grpo_cpu_s": round(rl_cpu, 1),
+        "median_stage_s": stage_medians(records),
         **{name: {r["step"]: round(r[key], 3) for r in records if key in r} for name, key in CURVES.items()},
         "torch_threads": torch.get_num_threads(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
