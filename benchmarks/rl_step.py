@@ -26,6 +26,7 @@ import cProfile
 import io
 import json
 import logging
+import os
 import pstats
 import statistics
 import sys
@@ -37,6 +38,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -117,17 +119,8 @@ def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tupl
     """The random bf16 model of scale `s` (`random_model`) with its tokenizer, and `steps` batches of prompts
     under `root`; returns the model directory and the prompts' Parquet file."""
     tokenizer = word_tokenizer(s["vocab"])
-    config = Qwen2Config(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=s["tied"],
-        pad_token_id=0,
-        eos_token_id=1,
+    config = qwen2_config(
+        s, max_position_embeddings=4096, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1
     )
     random_model(config, matmul_parameters(s), device).save_pretrained(root / "model")
     if device == "cuda":
@@ -139,6 +132,31 @@ def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tupl
     rows = [{"prompt": " ".join(f"w{i}" for i in row), "data_source": "bench", "answer": ""} for row in ids.tolist()]
     pq.write_table(pa.Table.from_pylist(rows), root / "prompts.parquet")
     return root / "model", root / "prompts.parquet"
+
+
+def qwen2_config(s: dict, **extra) -> Qwen2Config:
+    """The Qwen2 architecture of scale `s` (vocabulary, widths, layers, heads); `extra` sets the other fields."""
+    return Qwen2Config(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        **extra,
+    )
+
+
+def join_process_group(rank: int, world: int, port: int, device: str) -> torch.device:
+    """Join a process group of `world` processes spawned on this machine as `rank` (gloo for CPU tensors, NCCL
+    for GPU ones); returns this rank's device (its own GPU on `device="cuda"`)."""
+    cuda = device == "cuda"
+    here = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(here)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
+    return here
 
 
 def random_model(config: Qwen2Config, parameters: int, device: str) -> Qwen2ForCausalLM:

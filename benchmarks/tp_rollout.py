@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -27,7 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from rl_step import join_process_group, qwen2_config
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,16 +45,7 @@ ROWS, PROMPT_LEN, RESPONSE_LEN = 128, 128, 256
 
 def build_model(s: dict, device: torch.device) -> Qwen2ForCausalLM:
     """The random model (seed 0, the same on every rank), built on `device` in bf16 (float32 on the CPU)."""
-    config = Qwen2Config(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
+    config = qwen2_config(s, max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -67,12 +58,8 @@ def build_model(s: dict, device: torch.device) -> Qwen2ForCausalLM:
 
 def time_generation(rank: int, size: int, port: int, args, out: str) -> None:
     """One process of a TP group of `size`: build, shard, decode its half (TP=2) or all (TP=1) of the rows."""
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size)
+    device = join_process_group(rank, size, port, args.device)
+    cuda = device.type == "cuda"
     s = SCALES[args.scale]
     model = build_model(s, device)
     tp = TensorParallel(size) if size > 1 else None

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from rl_step import join_process_group, qwen2_config
+from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,26 +41,12 @@ SCALES = {
 
 def model(s: dict) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=s["vocab"],
-            hidden_size=s["hidden"],
-            intermediate_size=s["intermediate"],
-            num_hidden_layers=s["layers"],
-            num_attention_heads=s["heads"],
-            num_key_value_heads=s["kv_heads"],
-            tie_word_embeddings=True,
-        )
-    )
+    return Qwen2ForCausalLM(qwen2_config(s, tie_word_embeddings=True))
 
 
 def time_hand_offs(rank: int, world: int, port: int, args, out: str) -> None:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
+    device = join_process_group(rank, world, port, args.device)
+    cuda = device.type == "cuda"
     s = SCALES[args.scale]
     dtype = torch.bfloat16 if cuda else torch.float32
     engine = TrainEngine(PolicyModel(model(s)), device, param_dtype=dtype if cuda else None)
