@@ -140,7 +140,9 @@ def test_config_show_yaml_round_trips(tmp_path):
 
 def test_the_builtin_run_gets_its_own_defaults_only_without_a_yaml_file_on_the_builtin_task(tmp_path):
     demo = load_config()
-    assert (demo.rollout.n, demo.trainer.total_steps) == (16, 150)
+    assert (demo.rollout.n, demo.trainer.total_steps, demo.actor.old_log_prob_from_rollout) == (16, 190, True)
+    optim = demo.actor.optim
+    assert (optim.lr, optim.lr_scheduler, optim.min_lr_ratio) == (1.5e-4, "cosine", 0.1)
     assert load_config(overrides=["rollout.n=4"]).rollout.n == 4
     assert load_config(overrides=["trainer.seed=3"]).rollout.n == 16
     assert load_config(overrides=["data.train_files=[a.parquet]"]).rollout.n == 8

@@ -96,7 +96,9 @@ class PPOTrainer(TrainingLoop):
         timings: dict[str, float] = {}
         step_start = time.perf_counter()
         batch, metrics = self._rollout(batch, step, timings)
-        if recompute_old_log_prob(self.config, self.plan):
+        if self.config.actor.old_log_prob_from_rollout:
+            batch.batch["old_log_prob"] = batch.batch["rollout_log_probs"]
+        elif recompute_old_log_prob(self.config, self.plan):
             with _timed(timings, "old_log_prob"):
                 batch = batch.union(self.actor_rollout.compute_log_prob(batch))
             metrics |= self._rollout_mismatch(batch)
