@@ -6,9 +6,10 @@ from ketch.config import BatchError, ConfigError, derive_batch_plan, load_config
 from ketch.config.schema import KetchConfig
 
 
-def test_defaults_load_and_validate():
-    config = load_config()
-    assert config == KetchConfig()
+def test_defaults_load_and_validate(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == KetchConfig()
 
 
 def test_both_override_spellings_and_lists():

@@ -1,6 +1,7 @@
 import pytest
 
 from ketch.rewards import compute_score
+from ketch.rewards.arithmetic import score_arithmetic
 
 
 def score(response: str, truth: str) -> float:
@@ -46,7 +47,7 @@ def test_non_integer_ground_truth_raises():
 
 
 def partial(response: str, truth: str) -> dict:
-    return compute_score("ketch/arithmetic", response, truth, None, digit_credit=0.5)
+    return score_arithmetic("ketch/arithmetic", response, truth, None, digit_credit=0.5)
 
 
 def test_digit_credit_scores_the_matching_places_from_the_units_and_keeps_acc_exact():
@@ -61,4 +62,4 @@ def test_digit_credit_scores_the_matching_places_from_the_units_and_keeps_acc_ex
 
 def test_digit_credit_must_stay_below_a_right_answer():
     with pytest.raises(ValueError, match=r"digit_credit=1.0 must be in \[0, 1\)"):
-        compute_score("ketch/arithmetic", "#### 1", "2", None, digit_credit=1.0)
+        score_arithmetic("ketch/arithmetic", "#### 1", "2", None, digit_credit=1.0)
