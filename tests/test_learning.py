@@ -1,5 +1,6 @@
 """Learning test: `ketch train` with no arguments improves the built-in task quickly (slow: the warm-up of the
-built-in model, shared with the other tests of the session, then about 35 s of training on one CPU core)."""
+built-in model, shared with the other tests of the session, about 65 s on one CPU core, then about 35 s of
+training)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ def test_the_default_run_raises_validation_accuracy_within_25_steps(tmp_path):
     # The warm-up ends with the model of its last validation at or below 0.2 (measured: 0.156 with one thread, at
     # SFT step 510; the former warm-up, stopping at the first validation at or above 0.2, ended at 0.215-0.242).
     assert 0.1 <= first <= 0.2
-    # Measured with seed 1 on one CPU thread: 0.156 -> 0.375 after 25 steps (0.605 after 150); the former defaults
-    # (8 samples per prompt, from the 0.215 warm-up) reached 0.301.
-    assert last >= 0.33, f"validation accuracy went from {first:.3f} to {last:.3f} in 25 steps"
+    # Measured with seed 1 on one CPU thread: 0.156 -> 0.336 after 25 steps (the learning rate decaying over
+    # them; 0.629 after the built-in run's 190 steps). The former defaults (8 samples per prompt, lr 1e-4
+    # constant) went 0.215 -> 0.301 from their warm-up.
+    assert last >= first + 0.13, f"validation accuracy went from {first:.3f} to {last:.3f} in 25 steps"
     # The one-digit sums, 19% of the validation problems, were 1% of the training problems before the training
     # problems were drawn like the validation ones: the former defaults never learned them (3 of 48 right before
-    # RL, 2 of 48 after 100 steps). Measured: MEASURE.
-    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 25) >= 0.4
+    # RL, 2 of 48 after 100 steps). Measured: 15 of 48 before RL, 32 of 48 after 25 steps.
+    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 25) >= 0.5
