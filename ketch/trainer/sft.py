@@ -80,6 +80,7 @@ class SFTTrainer:
         group = groups.actor_rollout
         model_dir = str((self.run_dir / "model").resolve())
         metrics: dict[str, float] = {}
+        kept = None
         for step in range(1, self.total_steps + 1):
             metrics = group.sft_step(self.loader.next_batch()).meta_info["metrics"]
             validated = self.val_set is not None and due(c.trainer.test_freq, step, self.total_steps)
@@ -91,7 +92,7 @@ class SFTTrainer:
                 info(f"SFT step {step}/{self.total_steps}: {shown}", tracker.bar)
             if validated and keep_when is not None and keep_when(metrics):
                 group.save_pretrained(model_dir)
-                info(f"SFT kept the model of step {step}")
+                kept = step
             if validated and stop_when is not None and stop_when(metrics):
                 info(f"SFT stopped early at step {step}")
                 break
@@ -99,7 +100,11 @@ class SFTTrainer:
             group.save_pretrained(model_dir)
         groups.shutdown()
         tracker.close()
-        info(f"SFT finished: model saved to {self.run_dir / 'model'}")
+        if keep_when is not None and kept is None:
+            info("SFT finished: keep_when held at no validation, so no model was saved")
+        else:
+            which = f" of step {kept}" if kept else ""
+            info(f"SFT finished: model{which} saved to {self.run_dir / 'model'}")
         return metrics
 
     def _validate(self, group) -> dict[str, float]:
