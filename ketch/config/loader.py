@@ -48,6 +48,7 @@ def load_config(
     if command == "train" and config_path is None and _runs_builtin_task(tree, overrides or []):
         for key, value in parse_overrides(list(BUILTIN_RUN_DEFAULTS)):
             _merge(tree, _nest(key, value), source="defaults of the built-in run")
+        logger.info("the built-in run's own settings apply under the overrides: %s", " ".join(BUILTIN_RUN_DEFAULTS))
     from_file = {}
     if config_path is not None:
         keys = _merge(tree, _read_yaml(Path(config_path)), source=str(config_path))
