@@ -18,3 +18,10 @@ def test_an_unknown_estimator_lists_the_registered_ones_at_load():
 def test_rollout_is_cannot_skip_the_old_log_prob_pass():
     with pytest.raises(ConfigError, match=r"actor.rollout_is needs .* set actor.recompute_old_log_prob=null"):
         load_config(overrides=["actor.rollout_is=token", "actor.recompute_old_log_prob=false"])
+
+
+def test_old_log_probs_from_the_rollout_exclude_what_needs_the_training_engines():
+    with pytest.raises(ConfigError, match=r"old_log_prob_from_rollout=true skips .* which actor.rollout_is needs"):
+        load_config(overrides=["actor.rollout_is=token", "actor.old_log_prob_from_rollout=true"])
+    with pytest.raises(ConfigError, match=r"which actor.recompute_old_log_prob=true needs"):
+        load_config(overrides=["actor.recompute_old_log_prob=true", "actor.old_log_prob_from_rollout=true"])

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ketch.config import load_config
-from ketch.trainer.builtin import resolve_model_path
+from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL
+from ketch.trainer.builtin import WARMUPS, resolve_model_path
 from ketch.trainer.sft import SFTTrainer
+
+ACC = "val/ketch/arithmetic/acc"
 
 
 def test_sft_on_the_unresolved_builtin_model_says_how_to_resolve_it():
@@ -18,3 +22,39 @@ def test_a_local_model_path_resolves_to_its_absolute_path(tiny_model_dir, monkey
     monkeypatch.chdir(tiny_model_dir.parent)
     config = load_config(overrides=[f"model.path={tiny_model_dir.name}"])
     assert resolve_model_path(config) == str(tiny_model_dir.resolve())
+
+
+def test_the_arithmetic_warm_up_stops_above_its_target_and_keeps_the_model_of_the_validation_before():
+    warmup = WARMUPS[BUILTIN_MODEL]
+    assert (warmup.target, warmup.ceiling) == (0.2, True)
+    # The one-thread warm-up's validations at SFT steps 470-520 (measured): accuracy falls back between rises; the
+    # model of step 510 (0.156) is the result.
+    accuracies = [0.129, 0.184, 0.191, 0.152, 0.156, 0.234]
+    assert [warmup.kept({ACC: acc}) for acc in accuracies] == [True, True, True, True, True, False]
+    assert [warmup.reached({ACC: acc}) for acc in accuracies] == [False, False, False, False, False, True]
+    assert warmup.kept({ACC: 0.2}) and not warmup.reached({ACC: 0.2})  # the target itself is under the bound
+
+
+def test_the_calculator_warm_up_stops_at_its_loss():
+    warmup = WARMUPS[BUILTIN_CALCULATOR_MODEL]
+    assert not warmup.ceiling
+    assert [warmup.reached({"val/loss": loss}) for loss in (0.07, 0.065, 0.06)] == [False, True, True]
+
+
+def test_sft_keep_when_makes_the_last_kept_step_the_result(tiny_config):
+    from safetensors.torch import load_file
+
+    def weights(config, keep_when=None):
+        sft = SFTTrainer(config, model_path=config.model.path)
+        sft.fit(keep_when=keep_when)
+        return load_file(sft.run_dir / "model" / "model.safetensors")
+
+    sft = ("trainer.test_freq=1", "trainer.log_interval=1", "actor.optim.lr=1e-2")
+    one_step = weights(tiny_config(*sft, "trainer.total_steps=1", "trainer.experiment_name=one"))
+    kept = iter([True, False, False])
+    three_steps = tiny_config(*sft, "trainer.total_steps=3", "trainer.experiment_name=three")
+    first_kept = weights(three_steps, keep_when=lambda metrics: next(kept))
+    assert first_kept.keys() == one_step.keys()
+    assert all(torch.equal(first_kept[name], one_step[name]) for name in one_step)
+    last = weights(tiny_config(*sft, "trainer.total_steps=3", "trainer.experiment_name=last"))
+    assert not all(torch.equal(last[name], one_step[name]) for name in one_step)

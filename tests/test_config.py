@@ -6,9 +6,10 @@ from ketch.config import BatchError, ConfigError, derive_batch_plan, load_config
 from ketch.config.schema import KetchConfig
 
 
-def test_defaults_load_and_validate():
-    config = load_config()
-    assert config == KetchConfig()
+def test_defaults_load_and_validate(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty) == KetchConfig()
 
 
 def test_both_override_spellings_and_lists():
@@ -136,3 +137,18 @@ def test_config_show_yaml_round_trips(tmp_path):
     path = tmp_path / "resolved.yaml"
     path.write_text(to_yaml(config))
     assert load_config(path) == config
+
+
+def test_the_builtin_run_gets_its_own_defaults_only_without_a_yaml_file_on_the_builtin_task(tmp_path):
+    demo = load_config()
+    assert (demo.rollout.n, demo.trainer.total_steps, demo.actor.old_log_prob_from_rollout) == (16, 190, True)
+    optim = demo.actor.optim
+    assert (optim.lr, optim.lr_scheduler, optim.min_lr_ratio) == (1.5e-4, "cosine", 0.1)
+    assert load_config(overrides=["rollout.n=4"]).rollout.n == 4
+    assert load_config(overrides=["trainer.seed=3"]).rollout.n == 16
+    assert load_config(overrides=["data.train_files=[a.parquet]"]).rollout.n == 8
+    assert load_config(overrides=["model.path=my-model"]).trainer.total_steps == 100
+    assert load_config(command="sft").rollout.n == 8
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  seed: 5\n")
+    assert load_config(path).rollout.n == 8

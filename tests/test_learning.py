@@ -1,5 +1,6 @@
 """Learning test: `ketch train` with no arguments improves the built-in task quickly (slow: the warm-up of the
-built-in model, shared with the other tests of the session, then about 30 s of training on 2 CPU cores)."""
+built-in model, shared with the other tests of the session, about 65 s on one CPU core, then about 35 s of
+training)."""
 
 from __future__ import annotations
 
@@ -36,16 +37,19 @@ def test_the_default_run_raises_validation_accuracy_within_25_steps(tmp_path):
             f"trainer.default_local_dir={tmp_path}",
         ]
     )
+    assert config.rollout.n == 16  # the built-in run's own defaults apply
     trainer = PPOTrainer(config)
     trainer.fit()
     records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if ACC in r]
     first, last = records[0][ACC], records[-1][ACC]
-    # The warm-up stops at the first validation at or above 0.2 (measured: 0.215), leaving RL the rest.
-    assert 0.2 <= first <= 0.25
-    # Measured with seed 1 on 2 CPU cores: 0.215 -> 0.301 after 25 steps (0.426 after 100).
-    assert last >= first + 0.06, f"validation accuracy went from {first:.3f} to {last:.3f} in 25 steps"
+    # The warm-up ends with the model of its last validation at or below 0.2 (measured: 0.156 with one thread, at
+    # SFT step 510; the former warm-up, stopping at the first validation at or above 0.2, ended at 0.215-0.242).
+    assert 0.1 <= first <= 0.2
+    # Measured with seed 1 on one CPU thread: 0.156 -> 0.336 after 25 steps (the learning rate decaying over
+    # them; 0.629 after the built-in run's 190 steps). The former defaults (8 samples per prompt, lr 1e-4
+    # constant) went 0.215 -> 0.301 from their warm-up.
+    assert last >= first + 0.13, f"validation accuracy went from {first:.3f} to {last:.3f} in 25 steps"
     # The one-digit sums, 19% of the validation problems, were 1% of the training problems before the training
     # problems were drawn like the validation ones: the former defaults never learned them (3 of 48 right before
-    # RL, 2 of 48 after 100 steps). Measured: 13 of 48 before RL, 24 of 48 after 25 steps.
-    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 0) >= 0.2
-    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 25) >= 0.4
+    # RL, 2 of 48 after 100 steps). Measured: 15 of 48 before RL, 32 of 48 after 25 steps.
+    assert one_digit_sum_accuracy(trainer.run_dir / "samples.jsonl", 25) >= 0.5

@@ -159,3 +159,29 @@ def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_con
     assert metrics["null"]["actor/entropy"] == pytest.approx(metrics["true"]["actor/entropy"], rel=1e-5)
     for name, tensor in weights["true"].items():
         torch.testing.assert_close(weights["null"][name], tensor, atol=1e-6, rtol=0)
+
+
+def test_old_log_probs_from_the_rollout_save_the_pass_and_give_the_recomputed_update(tiny_config):
+    weights, metrics = {}, {}
+    for source in ("actor.recompute_old_log_prob=true", "actor.old_log_prob_from_rollout=true"):
+        trainer = PPOTrainer(
+            tiny_config(
+                "algorithm.adv_estimator=grpo",
+                "rollout.n=2",
+                "actor.ppo_mini_batch_size=4",  # two mini-batches: the second one's ratio needs π_old
+                "actor.optim.lr=0.01",
+                source,
+                f"trainer.experiment_name=run-{source.split('.')[1].split('=')[0]}",
+            )
+        )
+        trainer._open()
+        metrics[source] = trainer._train_step(trainer.loader.next_batch(), 1)
+        weights[source] = actor_weights(trainer)
+        trainer.groups.shutdown()
+    recomputed, from_rollout = metrics.values()
+    assert "timing_s/old_log_prob" in recomputed and "timing_s/old_log_prob" not in from_rollout
+    # the rollout's log-probs of the sampled tokens are the training engine's to rounding (fp32 on the CPU), so
+    # the ratios, and with them the update, are the same
+    assert from_rollout["actor/ppo_kl"] == pytest.approx(recomputed["actor/ppo_kl"], abs=1e-6)
+    for name, tensor in weights["actor.recompute_old_log_prob=true"].items():
+        torch.testing.assert_close(weights["actor.old_log_prob_from_rollout=true"][name], tensor, atol=1e-5, rtol=0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ketch.trainer.metrics import majority_correct, pass_at_k, pass_k_values, validation_metrics
-from ketch.trainer.validation import extracted_answers
+from ketch.trainer.validation import accuracies, extracted_answers
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,10 @@ def test_answers_are_the_scorers_pred_else_the_stripped_response():
     preds = np.array([5, math.nan, None], dtype=object)  # RewardScorer fills a missing field with NaN
     assert extracted_answers({"response_texts": texts, "extra": {"pred": preds}}) == [5, "#### 6", None]
     assert extracted_answers({"response_texts": texts, "extra": {}}) == ["#### 5", "#### 6", "no answer"]
+
+
+def test_accuracy_is_the_scorers_acc_where_it_gives_one_else_the_score():
+    scores = np.array([1 / 3, 1.0, 0.25])  # partial credit as the score, e.g. ketch/arithmetic with digit_credit
+    acc = np.array([0.0, 1.0, math.nan])  # RewardScorer fills a missing field with NaN
+    assert accuracies({"scores": scores, "extra": {"acc": acc}}).tolist() == [0.0, 1.0, 0.25]
+    assert accuracies({"scores": scores, "extra": {}}).tolist() == [1 / 3, 1.0, 0.25]

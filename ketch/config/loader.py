@@ -1,8 +1,9 @@
 """Build a `KetchConfig` from defaults, a YAML file and command-line overrides, with clear errors.
 
 Order of precedence: built-in defaults < the command's own defaults (`COMMAND_DEFAULTS`, e.g. `ketch rm`
-trains on the built-in preference pairs) < YAML file (`--config-path FILE`) < overrides. Overrides may be
-spelled `key.path=value`, `--key.path=value` or `--key.path value`; values are parsed as YAML
+trains on the built-in preference pairs) < the built-in demo's settings (`BUILTIN_RUN_DEFAULTS`, only for
+`ketch train` with no YAML file on the built-in task and model) < YAML file (`--config-path FILE`) < overrides.
+Overrides may be spelled `key.path=value`, `--key.path=value` or `--key.path value`; values are parsed as YAML
 (`a.b=[1,2]`, `x=null`, `flag=true`). A key given twice in the YAML file, or twice on a typed command line (in
 any spelling, or as a key and inside its section), is an error; a command-line key that replaces one of the YAML
 file is logged.
@@ -10,6 +11,7 @@ file is logged.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import logging
@@ -21,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from ketch.config.errors import ConfigError
-from ketch.config.schema import COMMAND_DEFAULTS, KetchConfig
+from ketch.config.schema import BUILTIN_RUN_DEFAULTS, COMMAND_DEFAULTS, KetchConfig
 from ketch.config.validate import validate
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "to_yaml"]
@@ -43,6 +45,10 @@ def load_config(
     tree = _as_tree(KetchConfig())
     for key, value in parse_overrides(list(COMMAND_DEFAULTS.get(command, ()))):
         _merge(tree, _nest(key, value), source=f"defaults of ketch {command}")
+    if command == "train" and config_path is None and _runs_builtin_task(tree, overrides or []):
+        for key, value in parse_overrides(list(BUILTIN_RUN_DEFAULTS)):
+            _merge(tree, _nest(key, value), source="defaults of the built-in run")
+        logger.info("the built-in run's own settings apply under the overrides: %s", " ".join(BUILTIN_RUN_DEFAULTS))
     from_file = {}
     if config_path is not None:
         keys = _merge(tree, _read_yaml(Path(config_path)), source=str(config_path))
@@ -61,6 +67,14 @@ def load_config(
     config = _build(KetchConfig, tree, prefix="")
     validate(config)
     return config
+
+
+def _runs_builtin_task(tree: _Tree, overrides: list[str]) -> bool:
+    """Whether `overrides` leave data.train_files and model.path of `tree` (the defaults) as they are."""
+    given = copy.deepcopy(tree)
+    for key, value in parse_overrides(overrides):
+        _merge(given, _nest(key, value), source="command line")
+    return all(_get(given, key) == _get(tree, key) for key in ("data.train_files", "model.path"))
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:

@@ -288,6 +288,9 @@ def _rollout_is(c: KetchConfig) -> str | None:
     a = c.actor
     if a.rollout_is is not None and a.recompute_old_log_prob is False:
         return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
+    if a.old_log_prob_from_rollout and (a.rollout_is is not None or a.recompute_old_log_prob):
+        given = "actor.rollout_is" if a.rollout_is is not None else "actor.recompute_old_log_prob=true"
+        return f"actor.old_log_prob_from_rollout=true skips the training engine's old log-probs, which {given} needs"
     return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -33,7 +34,8 @@ class RewardScorer:
     """Token-level scores of a batch from `reward.function` (a `path.py:fn` spec) or the registered scorers.
 
     on_error="raise" stops at the first failing sample with a `RewardError`; "zero" scores it 0, logs each
-    distinct error once on the `ketch.rewards` logger and counts it in `info["num_errors"]`.
+    distinct error once on the `ketch.rewards` logger and counts it in `info["num_errors"]`. `scorer_kwargs`
+    maps a data source to keyword arguments for the function that scores its samples (`reward.scorer_kwargs`).
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class RewardScorer:
         tokenizer: PreTrainedTokenizerBase,
         function: str | None = None,
         on_error: Literal["raise", "zero"] = "raise",
+        scorer_kwargs: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         if on_error not in ("raise", "zero"):
             raise ValueError(f"reward.on_error must be 'raise' or 'zero', got {on_error!r}")
@@ -49,6 +52,9 @@ class RewardScorer:
         self.on_error = on_error
         self._user_fn = load_reward_function(function) if function else None
         self._logged: set[tuple[str, str]] = set()
+        self.scorer_kwargs = scorer_kwargs or {}
+        for source, kwargs in self.scorer_kwargs.items():
+            _check_kwargs(self._user_fn or scorer_for(source), source, kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
         # A user function lives in a module other processes cannot import: they reload it from the spec.
@@ -81,7 +87,8 @@ class RewardScorer:
         num_errors = 0
         for i, (fn, name) in enumerate(scorers):
             try:
-                scores[i], extras[i] = _score_one(fn, sources[i], texts[i], truths[i], extra_infos[i])
+                kwargs = self.scorer_kwargs.get(sources[i], {})
+                scores[i], extras[i] = _score_one(fn, sources[i], texts[i], truths[i], extra_infos[i], kwargs)
             except Exception as exc:
                 self._fail(exc, i, name, _sample(data, i, texts[i]))
                 num_errors += 1
@@ -147,9 +154,26 @@ def _scorer_traceback(exc: Exception) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _score_one(fn: Callable, source: str, text: str, truth: Any, extra_info: Any) -> tuple[float, dict[str, Any]]:
-    """Call `fn` and split its result into a finite float score and the extra fields of a dict result."""
-    result = fn(source, text, truth, extra_info)
+def _check_kwargs(fn: Callable, source: str, kwargs: Any) -> None:
+    """Fail at the start, naming the key, when `fn` cannot take the keyword arguments given for `source`."""
+    where = f"reward.scorer_kwargs[{source!r}]"
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{where} must be a mapping of keyword arguments, got {kwargs!r}")
+    try:
+        inspect.signature(fn).bind("data_source", "solution_str", "ground_truth", None, **kwargs)
+    except TypeError as err:
+        raise ValueError(
+            f"{where}={kwargs!r} does not fit the scorer {fn.__module__}.{fn.__qualname__}{inspect.signature(fn)}: "
+            f"{err}"
+        ) from None
+
+
+def _score_one(
+    fn: Callable, source: str, text: str, truth: Any, extra_info: Any, kwargs: dict[str, Any]
+) -> tuple[float, dict[str, Any]]:
+    """Call `fn` (with `kwargs`) and split its result into a finite float score and the extra fields of a dict
+    result."""
+    result = fn(source, text, truth, extra_info, **kwargs)
     extra: dict[str, Any] = {}
     if isinstance(result, dict):
         if "score" not in result:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -42,11 +43,12 @@ WARMUP_OVERRIDES = (
     "trainer.log_interval=10",
     "trainer.seed=0",
 )
-"""The warm-up SFT run: it validates every 10 steps and stops once greedy accuracy reaches WARMUP_TARGET (it climbs
-from 0.1 to 0.5 in about 200 steps, so more steps between validations overshoot the target)."""
+"""The warm-up SFT run: it validates every 10 steps and ends at WARMUP_TARGET (it climbs from 0.1 to 0.5 in about
+200 steps, so more steps between validations overshoot the target)."""
 
 WARMUP_TARGET = 0.2
-"""Validation accuracy at which the warm-up stops: partly correct, so that PPO has room to improve it."""
+"""The most validation accuracy the warm-up ends with: partly correct, so that RL has room to improve it. The
+warm-up stops at the first validation above it, and its result is the model of the validation before."""
 
 CALCULATOR_WARMUP_OVERRIDES = (
     f"data.train_files=[{BUILTIN_CALCULATOR_TASK}/train]",
@@ -78,23 +80,38 @@ CALCULATOR_WARMUP_TARGET = 0.065
 @dataclass(frozen=True)
 class Warmup:
     """How a built-in model is made: a short SFT of the tiny model (or of the built-in model `start`) until
-    `metric` reaches `target` (rises to it, or for a loss falls to it)."""
+    `metric` reaches `target` (rises to it, or for a loss falls to it).
+
+    With `ceiling`, `target` is a bound that the result stays under: the SFT stops at the first validation above
+    it and the result is the model of the validation before (the last at or below it). On the steep part of the
+    SFT curve greedy accuracy jumps by several points between validations and falls back by a few: the last model
+    under the bound is the most trained one, and RL learned faster from it than from an earlier model whose
+    accuracy was closer to the bound (benchmarks/results/2026-12-01_cpu_default_run_0.6.json)."""
 
     task_hash: str
     overrides: tuple[str, ...]
     metric: str
     target: float
     start: str | None = None
+    ceiling: bool = False
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether the validation `metrics` of a step meet the target (the warm-up's `stop_when`)."""
         if self.metric.endswith("loss"):
             return metrics.get(self.metric, float("inf")) <= self.target
-        return metrics.get(self.metric, 0.0) >= self.target
+        value = metrics.get(self.metric, 0.0)
+        return value > self.target if self.ceiling else value >= self.target
+
+    def kept(self, metrics: dict[str, float]) -> bool:
+        """With `ceiling`, whether the model of a validation is the result so far (the warm-up's `keep_when`):
+        every one at or below the target is, so the result is the last one before the stop."""
+        return metrics.get(self.metric, math.inf) <= self.target
 
 
 WARMUPS = {
-    BUILTIN_MODEL: Warmup(ArithmeticTask().settings_hash(), WARMUP_OVERRIDES, f"val/{DATA_SOURCE}/acc", WARMUP_TARGET),
+    BUILTIN_MODEL: Warmup(
+        ArithmeticTask().settings_hash(), WARMUP_OVERRIDES, f"val/{DATA_SOURCE}/acc", WARMUP_TARGET, ceiling=True
+    ),
     BUILTIN_CALCULATOR_MODEL: Warmup(
         CalculatorTask().settings_hash(),
         CALCULATOR_WARMUP_OVERRIDES,
@@ -131,7 +148,7 @@ def _settings_hash(warmup: Warmup) -> str:
     settings = {
         "task": warmup.task_hash,
         "model": model.to_dict(),
-        "warmup": [warmup.overrides, warmup.target],
+        "warmup": [warmup.overrides, warmup.target, warmup.ceiling],
         "format": _FORMAT_VERSION,
     }
     if warmup.start:
@@ -150,7 +167,13 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
             save_tiny_model(init, build_char_tokenizer(), seed=0)
         overrides = [*warmup.overrides, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
         overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
-        SFTTrainer(load_config(overrides=overrides)).fit(stop_when=warmup.reached)
+        sft = SFTTrainer(load_config(overrides=overrides))
+        sft.fit(stop_when=warmup.reached, keep_when=warmup.kept if warmup.ceiling else None)
+        if not (Path(tmp) / "warmup" / "model" / "config.json").is_file():
+            raise RuntimeError(
+                f"the warm-up's first validation was already above {warmup.metric}={warmup.target}, so it kept no "
+                "model; validate more often (trainer.test_freq of the warm-up)"
+            )
         if not (target / "config.json").is_file():
             shutil.rmtree(target, ignore_errors=True)
             (Path(tmp) / "warmup" / "model").rename(target)

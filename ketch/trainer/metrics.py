@@ -81,7 +81,8 @@ def validation_metrics(
     answers: Sequence[Any] | None = None,
     n: int = 1,
 ) -> dict[str, float]:
-    """Per data source: `val/<source>/acc` (mean score over every response, i.e. mean@1) and, when `n` > 1,
+    """Per data source: `val/<source>/acc` (the mean of `scores` over every response, i.e. mean@1; the caller
+    passes each response's correctness, see `validation.accuracies`) and, when `n` > 1,
     `val/<source>/pass@k` for k in `pass_k_values(n)` and, given `answers`, `val/<source>/maj@n`; then
     `val/response_length/mean`.
 

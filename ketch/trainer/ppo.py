@@ -65,7 +65,7 @@ class PPOTrainer(TrainingLoop):
         self.tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
-        self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error)
+        self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
         if c.rollout.multi_turn.enable:  # a tools or environment file that does not import fails here
             environment_factory(c, self.tokenizer)
         self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
@@ -96,7 +96,9 @@ class PPOTrainer(TrainingLoop):
         timings: dict[str, float] = {}
         step_start = time.perf_counter()
         batch, metrics = self._rollout(batch, step, timings)
-        if recompute_old_log_prob(self.config, self.plan):
+        if self.config.actor.old_log_prob_from_rollout:
+            batch.batch["old_log_prob"] = batch.batch["rollout_log_probs"]
+        elif recompute_old_log_prob(self.config, self.plan):
             with _timed(timings, "old_log_prob"):
                 batch = batch.union(self.actor_rollout.compute_log_prob(batch))
             metrics |= self._rollout_mismatch(batch)

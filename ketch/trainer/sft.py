@@ -59,20 +59,28 @@ class SFTTrainer:
         self.val_prompts = RLHFDataset(val_files, tokenizer, c.data) if val_files else None
         if self.val_prompts is not None and self.val_prompts[0]["ground_truth"] is None:
             self.val_prompts = None
-        self.reward = RewardScorer(tokenizer, c.reward.function, c.reward.on_error)
+        self.reward = RewardScorer(tokenizer, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
 
-    def fit(self, stop_when: Callable[[dict[str, float]], bool] | None = None) -> dict[str, float]:
-        """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`,
-        given the metrics of a validated step, ends training early when it returns True."""
+    def fit(
+        self,
+        stop_when: Callable[[dict[str, float]], bool] | None = None,
+        keep_when: Callable[[dict[str, float]], bool] | None = None,
+    ) -> dict[str, float]:
+        """Train, validate every `trainer.test_freq` steps, save; returns the last metrics. `stop_when`, given
+        the metrics of a validated step, ends training early when it returns True. `keep_when`, given the same,
+        saves that step's model when it returns True, and the model saved last is the result (the last step's
+        model is not saved then); without it the result is the last step's model."""
         c = self.config
         with removed_if_start_fails(self.run_dir):
             tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
             plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
             groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
         group = groups.actor_rollout
+        model_dir = str((self.run_dir / "model").resolve())
         metrics: dict[str, float] = {}
+        kept = None
         for step in range(1, self.total_steps + 1):
             metrics = group.sft_step(self.loader.next_batch()).meta_info["metrics"]
             validated = self.val_set is not None and due(c.trainer.test_freq, step, self.total_steps)
@@ -82,13 +90,21 @@ class SFTTrainer:
             if step % c.trainer.log_interval == 0 or validated:
                 shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k == "sft/loss" or k.startswith("val/"))
                 info(f"SFT step {step}/{self.total_steps}: {shown}", tracker.bar)
+            if validated and keep_when is not None and keep_when(metrics):
+                group.save_pretrained(model_dir)
+                kept = step
             if validated and stop_when is not None and stop_when(metrics):
                 info(f"SFT stopped early at step {step}")
                 break
-        group.save_pretrained(str((self.run_dir / "model").resolve()))
+        if keep_when is None:
+            group.save_pretrained(model_dir)
         groups.shutdown()
         tracker.close()
-        info(f"SFT finished: model saved to {self.run_dir / 'model'}")
+        if keep_when is not None and kept is None:
+            info("SFT finished: keep_when held at no validation, so no model was saved")
+        else:
+            which = f" of step {kept}" if kept else ""
+            info(f"SFT finished: model{which} saved to {self.run_dir / 'model'}")
         return metrics
 
     def _validate(self, group) -> dict[str, float]:

@@ -18,7 +18,8 @@ from ketch.trainer.metrics import validation_metrics
 class ValidationResult(dict):
     """The metrics of one validation, a `dict[str, float]` to every caller, with the generated responses on the
     side: `samples` holds one row per response (`prompt_id`, `sample`, `data_source`, `prompt`, `response`,
-    `ground_truth`, `score`, and `pred` when the scorer extracted an answer), prompts in dataset order."""
+    `ground_truth`, `score`, `acc` when the scorer returned one, and `pred` when the scorer extracted an answer),
+    prompts in dataset order."""
 
     samples: list[dict[str, Any]]
 
@@ -40,7 +41,7 @@ def generate_and_score(
     answers = extracted_answers(info)
     lengths = data.batch["response_mask"].sum(-1).numpy()
     sources = data.non_tensor_batch["data_source"]
-    result = ValidationResult(validation_metrics(sources, info["scores"], lengths, answers, sampling.n))
+    result = ValidationResult(validation_metrics(sources, accuracies(info), lengths, answers, sampling.n))
     result.samples = _sample_rows(data, info, _prompt_texts(prompts[:: sampling.n], reward.tokenizer), sampling.n)
     result |= trajectory_metrics(data.non_tensor_batch, lengths, "val/multi_turn")
     result["timing_s/testing"] = time.perf_counter() - start
@@ -52,6 +53,15 @@ def generation_inputs(batch: DataProto) -> DataProto:
     non-tensor columns (copied; a multi-turn rollout reads `raw_prompt` and what its environment needs)."""
     prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
     return prompts.union(batch.select(batch_keys=[], meta_keys=[]))
+
+
+def accuracies(info: dict[str, Any]) -> np.ndarray:
+    """`[batch]` correctness of each response: the scorer's `acc` field where it returns one (a scorer that gives
+    partial credit as its score, e.g. `ketch/arithmetic` with `digit_credit`), else the score."""
+    acc = info["extra"].get("acc")
+    if acc is None or acc.dtype == object:
+        return info["scores"]
+    return np.where(np.isnan(acc), info["scores"], acc)
 
 
 def extracted_answers(info: dict[str, Any]) -> list[Any]:
@@ -78,7 +88,7 @@ def _prompt_texts(prompts: DataProto, tokenizer) -> list[str]:
 
 def _sample_rows(data: DataProto, info: dict[str, Any], prompts: list[str], n: int) -> list[dict[str, Any]]:
     """One JSON-ready row per response (see `ValidationResult`)."""
-    preds = info["extra"].get("pred")
+    preds, acc = info["extra"].get("pred"), info["extra"].get("acc")
     rows = []
     for i, response in enumerate(info["response_texts"]):
         row = {
@@ -90,6 +100,8 @@ def _sample_rows(data: DataProto, info: dict[str, Any], prompts: list[str], n: i
             "ground_truth": _jsonable(data.non_tensor_batch["ground_truth"][i]),
             "score": float(info["scores"][i]),
         }
+        if acc is not None and not _missing(acc[i]):
+            row["acc"] = _jsonable(acc[i])
         if preds is not None and not _missing(preds[i]):
             row["pred"] = _jsonable(preds[i])
         rows.append(row)

@@ -1,6 +1,7 @@
 import pytest
 
 from ketch.rewards import compute_score
+from ketch.rewards.arithmetic import score_arithmetic
 
 
 def score(response: str, truth: str) -> float:
@@ -43,3 +44,22 @@ def test_integer_ground_truth_is_accepted():
 def test_non_integer_ground_truth_raises():
     with pytest.raises(ValueError):
         score("#### 4", "four")
+
+
+def partial(response: str, truth: str) -> dict:
+    return score_arithmetic("ketch/arithmetic", response, truth, None, digit_credit=0.5)
+
+
+def test_digit_credit_scores_the_matching_places_from_the_units_and_keeps_acc_exact():
+    assert partial("#### 132", "132") == {"score": 1.0, "acc": 1.0}
+    assert partial("#### 131", "132") == {"score": 0.5 * 2 / 3, "acc": 0.0}  # hundreds and tens right
+    assert partial("#### 32", "132") == {"score": 0.5 * 2 / 3, "acc": 0.0}  # the missing hundreds count as wrong
+    assert partial("#### 1132", "132") == {"score": 0.5 * 3 / 4, "acc": 0.0}
+    assert partial("#### 7", "-7") == {"score": 0.5 * 1 / 2, "acc": 0.0}  # the sign is a place
+    assert partial("#### 45", "132") == {"score": 0.0, "acc": 0.0}
+    assert partial("no answer", "132") == {"score": 0.0, "acc": 0.0}
+
+
+def test_digit_credit_must_stay_below_a_right_answer():
+    with pytest.raises(ValueError, match=r"digit_credit=1.0 must be in \[0, 1\)"):
+        score_arithmetic("ketch/arithmetic", "#### 1", "2", None, digit_credit=1.0)

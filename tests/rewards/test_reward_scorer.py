@@ -165,3 +165,18 @@ def test_pickled_scorer_reloads_the_user_function(char_tokenizer, make_batch, fu
     scorer = pickle.loads(pickle.dumps(RewardScorer(char_tokenizer, f"{functions}:length")))
     _, info = scorer(make_batch(["abc"], ["0"]))
     assert info["scores"].tolist() == [3.0]
+
+
+def test_scorer_kwargs_reach_the_scorer_of_their_data_source_only(char_tokenizer, make_batch):
+    kwargs = {"ketch/arithmetic": {"digit_credit": 0.5}}
+    data = make_batch(["#### 131", "#### 132"], ["132", "132"])
+    _, info = RewardScorer(char_tokenizer, scorer_kwargs=kwargs)(data)
+    assert info["scores"].tolist() == [0.5 * 2 / 3, 1.0]
+    assert info["extra"]["acc"].tolist() == [0.0, 1.0]
+    _, info = RewardScorer(char_tokenizer, scorer_kwargs=kwargs)(make_batch(["#### 131"], ["132"], "ketch/calculator"))
+    assert info["scores"].tolist() == [0.0] and info["extra"] == {}
+
+
+def test_scorer_kwargs_the_scorer_cannot_take_fail_at_the_start_naming_the_key(char_tokenizer):
+    with pytest.raises(ValueError, match=r"reward.scorer_kwargs\['ketch/arithmetic'\]=\{'credit': 0.5\} does not fit"):
+        RewardScorer(char_tokenizer, scorer_kwargs={"ketch/arithmetic": {"credit": 0.5}})
