@@ -43,6 +43,6 @@ def test_ppo_with_a_reward_model_alone_raises_the_rule_based_accuracy(tmp_path):
     records = read_metrics(ppo.run_dir / "metrics.jsonl")
     assert all("reward/rule/mean" not in r for r in records) and "reward/model/mean" in records[1]
     first, last = records[0][ACC], records[-1][ACC]
-    # Measured: 0.531 -> 0.629 in 60 steps (0.531 -> 0.633 with the 1000-step reward model), the format learned
-    # from the reward model.
-    assert last >= first + 0.05, f"validation accuracy went from {first:.3f} to {last:.3f}"
+    # Validation samples 4 answers per problem (the example's `rollout.val`). Measured: 0.259 -> 0.396 in 60 steps
+    # (seed 2: 0.278 -> 0.392), the format learned from the reward model; greedy accuracy stayed 0.551 -> 0.555.
+    assert last >= first + 0.06, f"sampled validation accuracy went from {first:.3f} to {last:.3f}"
