@@ -51,6 +51,24 @@ def stage_medians(records: list[dict]) -> dict[str, float]:
     return {k.removeprefix("timing_s/"): round(statistics.median(r[k] for r in steps if k in r), 3) for k in stages}
 
 
+def run_dir(prefix: str, empty_cache: bool) -> str:
+    """A new directory for the run's outputs; with `empty_cache`, a new ketch cache directory as well (data and
+    warmed-up models built afresh, as on a fresh clone)."""
+    if empty_cache:
+        os.environ["KETCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="ketch-cache-")
+    return tempfile.mkdtemp(prefix=prefix)
+
+
+def timed_fit(config, stage: str) -> tuple[list[dict], dict]:
+    """Train `config` with `PPOTrainer`, timed: the run's metrics records, and `{stage}_wall_s`, `{stage}_cpu_s`
+    and the median seconds of each step stage (`median_stage_s`)."""
+    trainer = PPOTrainer(config)
+    _, wall, cpu = timed(trainer.fit)
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    timing = {f"{stage}_wall_s": round(wall, 1), f"{stage}_cpu_s": round(cpu, 1)}
+    return records, timing | {"median_stage_s": stage_medians(records)}
+
+
 def emit(result: dict, out: Path | None) -> None:
     """Print `result` as JSON and write it to `out` when given."""
     print(json.dumps(result, indent=2))
@@ -64,24 +82,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for ketch train")
     args = parser.parse_args()
-    runs = tempfile.mkdtemp(prefix="ketch-default-run-")
-    if args.empty_cache:
-        os.environ["KETCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="ketch-cache-")
+    runs = run_dir("ketch-default-run-", args.empty_cache)
     start = time.perf_counter()
     config = load_config(overrides=[f"trainer.default_local_dir={runs}", *args.overrides])
     _, warmup_wall, warmup_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
-    trainer = PPOTrainer(config)
-    _, rl_wall, rl_cpu = timed(trainer.fit)
-    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    records, rl_timing = timed_fit(config, "rl")
     result = {
         "overrides": args.overrides,
         "empty_cache": args.empty_cache,
         "total_wall_s": round(time.perf_counter() - start, 1),
         "warmup_wall_s": round(warmup_wall, 1),
         "warmup_cpu_s": round(warmup_cpu, 1),
-        "rl_wall_s": round(rl_wall, 1),
-        "rl_cpu_s": round(rl_cpu, 1),
-        "median_stage_s": stage_medians(records),
+        **rl_timing,
         "val_acc": {r["step"]: round(r[ACC], 3) for r in records if ACC in r},
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],

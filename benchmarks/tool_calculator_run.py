@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,13 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from default_run import emit, stage_medians, timed
+from default_run import emit, run_dir, timed, timed_fit
 
 from ketch.config import load_config
 from ketch.config.schema import BUILTIN_MODEL
-from ketch.tracking import read_metrics
 from ketch.trainer import builtin
-from ketch.trainer.ppo import PPOTrainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "tool_calculator.yaml"
 CURVES = {
@@ -44,17 +41,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for ketch train")
     args = parser.parse_args()
-    runs = tempfile.mkdtemp(prefix="ketch-tool-calculator-")
-    if args.empty_cache:
-        os.environ["KETCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="ketch-cache-")
+    runs = run_dir("ketch-tool-calculator-", args.empty_cache)
     start, load_before = time.perf_counter(), os.getloadavg()
     config = load_config(str(CONFIG), overrides=[f"trainer.default_local_dir={runs}", *args.overrides])
     arithmetic = load_config(overrides=[f"model.path={BUILTIN_MODEL}", f"trainer.device={config.trainer.device}"])
     _, arithmetic_wall, arithmetic_cpu = timed(builtin.resolve_model_path, arithmetic)
     _, calculator_wall, calculator_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
-    trainer = PPOTrainer(config)
-    _, rl_wall, rl_cpu = timed(trainer.fit)
-    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    records, grpo_timing = timed_fit(config, "grpo")
     result = {
         "overrides": args.overrides,
         "empty_cache": args.empty_cache,
@@ -63,9 +56,7 @@ def main() -> None:
         "arithmetic_warmup_cpu_s": round(arithmetic_cpu, 1),
         "calculator_warmup_wall_s": round(calculator_wall, 1),
         "calculator_warmup_cpu_s": round(calculator_cpu, 1),
-        "grpo_wall_s": round(rl_wall, 1),
-        "grpo_cpu_s": round(rl_cpu, 1),
-        "median_stage_s": stage_medians(records),
+        **grpo_timing,
         **{name: {r["step"]: round(r[key], 3) for r in records if key in r} for name, key in CURVES.items()},
         "torch_threads": torch.get_num_threads(),
         "load_average_before": [round(x, 2) for x in load_before],

@@ -23,6 +23,16 @@ def actor_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in trainer.actor_rollout.worker.actor.full_parameters(prefix="lm.")}
 
 
+def first_step(config) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """The metrics of one training step of a fresh trainer on `config`, and the actor's weights after it."""
+    trainer = PPOTrainer(config)
+    trainer._open()
+    metrics = trainer._train_step(trainer.loader.next_batch(), 1)
+    weights = actor_weights(trainer)
+    trainer.groups.shutdown()
+    return metrics, weights
+
+
 def test_one_ppo_step_with_critic_and_kl_in_the_reward_updates_both_models(tiny_config):
     config = tiny_config("trainer.total_steps=1", "algorithm.use_kl_in_reward=true", "actor.optim.lr=0.01")
     trainer = PPOTrainer(config)
@@ -133,7 +143,7 @@ def test_all_truncated_responses_get_a_clear_warning_once(tiny_config, caplog):
 def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_config):
     weights, metrics = {}, {}
     for recompute in ("true", "null"):
-        trainer = PPOTrainer(
+        metrics[recompute], weights[recompute] = first_step(
             tiny_config(
                 "algorithm.adv_estimator=grpo",
                 "rollout.n=2",
@@ -142,10 +152,6 @@ def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_con
                 f"trainer.experiment_name=run-{recompute}",
             )
         )
-        trainer._open()
-        metrics[recompute] = trainer._train_step(trainer.loader.next_batch(), 1)
-        weights[recompute] = actor_weights(trainer)
-        trainer.groups.shutdown()
     assert "timing_s/old_log_prob" in metrics["true"] and "timing_s/old_log_prob" not in metrics["null"]
     # the old-log-prob pass also measures the rollout engine against the training engine: the same fp32
     # weights on the CPU, so the sampled tokens' probabilities agree to rounding (KV-cached decoding and the
@@ -164,7 +170,7 @@ def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_con
 def test_old_log_probs_from_the_rollout_save_the_pass_and_give_the_recomputed_update(tiny_config):
     weights, metrics = {}, {}
     for source in ("actor.recompute_old_log_prob=true", "actor.old_log_prob_from_rollout=true"):
-        trainer = PPOTrainer(
+        metrics[source], weights[source] = first_step(
             tiny_config(
                 "algorithm.adv_estimator=grpo",
                 "rollout.n=2",
@@ -174,10 +180,6 @@ def test_old_log_probs_from_the_rollout_save_the_pass_and_give_the_recomputed_up
                 f"trainer.experiment_name=run-{source.split('.')[1].split('=')[0]}",
             )
         )
-        trainer._open()
-        metrics[source] = trainer._train_step(trainer.loader.next_batch(), 1)
-        weights[source] = actor_weights(trainer)
-        trainer.groups.shutdown()
     recomputed, from_rollout = metrics.values()
     assert "timing_s/old_log_prob" in recomputed and "timing_s/old_log_prob" not in from_rollout
     # the rollout's log-probs of the sampled tokens are the training engine's to rounding (fp32 on the CPU), so
