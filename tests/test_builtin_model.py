@@ -26,7 +26,7 @@ def test_a_local_model_path_resolves_to_its_absolute_path(tiny_model_dir, monkey
 
 def test_the_arithmetic_warm_up_stops_above_its_target_and_keeps_the_model_of_the_validation_before():
     warmup = WARMUPS[BUILTIN_MODEL]
-    assert (warmup.target, warmup.ceiling) == (0.2, True)
+    assert warmup.target == 0.2
     # The one-thread warm-up's validations at SFT steps 470-520 (measured): accuracy falls back between rises; the
     # model of step 510 (0.156) is the result.
     accuracies = [0.129, 0.184, 0.191, 0.152, 0.156, 0.234]
@@ -35,10 +35,15 @@ def test_the_arithmetic_warm_up_stops_above_its_target_and_keeps_the_model_of_th
     assert warmup.kept({ACC: 0.2}) and not warmup.reached({ACC: 0.2})  # the target itself is under the bound
 
 
-def test_the_calculator_warm_up_stops_at_its_loss():
+def test_the_calculator_warm_up_keeps_the_last_model_under_its_accuracy_bound():
     warmup = WARMUPS[BUILTIN_CALCULATOR_MODEL]
-    assert not warmup.ceiling
-    assert [warmup.reached({"val/loss": loss}) for loss in (0.07, 0.065, 0.06)] == [False, True, True]
+    assert warmup.target == 0.2
+    # A one-thread warm-up's validations at SFT steps 300-400 (measured): the model of step 375 (0.172) is the
+    # result, the last one on the steep part of the curve that is still under the bound.
+    accuracies = [0.055, 0.062, 0.016, 0.172, 0.258]
+    calculator_acc = "val/ketch/calculator/acc"
+    assert [warmup.kept({calculator_acc: acc}) for acc in accuracies] == [True, True, True, True, False]
+    assert [warmup.reached({calculator_acc: acc}) for acc in accuracies] == [False, False, False, False, True]
 
 
 def test_sft_keep_when_makes_the_last_kept_step_the_result(tiny_config):

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("ketch.rewards")
 
 REQUIRED_COLUMNS = ("data_source", "ground_truth")
+TOOL_COUNTS = ("tool_calls", "tool_errors")
+"""A multi-turn trajectory's tool calls and failed calls, which scorers see in `extra_info` (with `messages`)."""
 
 
 class RewardError(RuntimeError):
@@ -68,8 +70,8 @@ class RewardScorer:
     def __call__(self, data: DataProto) -> tuple[torch.Tensor, dict[str, Any]]:
         """Score `data` (batch: responses, response_mask `[batch, response_len]`; non_tensor: data_source,
         ground_truth, optional extra_info). A multi-turn trajectory is scored whole: the text is every response
-        token the attention mask covers (tool results too), and extra_info gains `messages` (the conversation)
-        and `env_reward` (the environment's reward, NaN if none).
+        token the attention mask covers (tool results too), and extra_info gains `messages` (the conversation),
+        `env_reward` (the environment's reward, NaN if none) and `TOOL_COUNTS`.
 
         Returns `token_level_scores` `[batch, response_len]` float32, zero except the score at each row's last
         mask==1 position, and info: `scores` np.float64 `[batch]`, `response_texts` list[str], `extra` {field:
@@ -215,8 +217,9 @@ def _columns(data: DataProto) -> tuple[list[str], np.ndarray, np.ndarray]:
     if extra_info is None:
         extra_info = np.full(len(data), None, dtype=object)
     if "messages" in columns:
-        trajectory = zip(extra_info, columns["messages"], columns["env_reward"], strict=True)
-        extra_info = object_array([{**(e or {}), "messages": m, "env_reward": r} for e, m, r in trajectory])
+        keys = ("messages", "env_reward", *(k for k in TOOL_COUNTS if k in columns))
+        trajectory = zip(extra_info, *(columns[k] for k in keys), strict=True)
+        extra_info = object_array([{**(e or {}), **dict(zip(keys, values, strict=True))} for e, *values in trajectory])
     return [str(s) for s in columns["data_source"]], columns["ground_truth"], extra_info
 
 

@@ -198,7 +198,8 @@ def test_sft_renders_the_prompt_with_the_tools_its_row_allows_as_the_rollout_doe
 REWARD = """
 def score(data_source, solution_str, ground_truth, extra_info):
     return {"score": float(solution_str.endswith("#### 13")), "saw_tool": float("tool: 12" in solution_str),
-            "messages": float(len(extra_info["messages"]))}
+            "messages": float(len(extra_info["messages"])), "tool_calls": extra_info["tool_calls"],
+            "tool_errors": extra_info["tool_errors"]}
 """
 
 
@@ -209,5 +210,6 @@ def test_the_reward_function_sees_the_whole_trajectory(tmp_path):
     scores, info = RewardScorer(build_char_tokenizer(), f"{tmp_path / 'reward.py'}:score")(out)
     assert info["scores"].tolist() == [1.0, 0.0]
     assert info["extra"]["saw_tool"].tolist() == [1.0, 0.0] and info["extra"]["messages"].tolist() == [6.0, 2.0]
+    assert info["extra"]["tool_calls"].tolist() == [2.0, 0.0] and info["extra"]["tool_errors"].tolist() == [0.0, 0.0]
     # The score sits on the last sampled token: the EOS after "#### 13", position 210 of the response.
     assert scores[0].nonzero().flatten().tolist() == [210]

@@ -60,6 +60,21 @@ def test_digit_credit_scores_the_matching_places_from_the_units_and_keeps_acc_ex
     assert partial("no answer", "132") == {"score": 0.0, "acc": 0.0}
 
 
-def test_digit_credit_must_stay_below_a_right_answer():
-    with pytest.raises(ValueError, match=r"digit_credit=1.0 must be in \[0, 1\)"):
+def test_partial_credit_must_stay_below_a_right_answer():
+    with pytest.raises(ValueError, match=r"digit_credit=1.0 and call_credit=0.0 must be >= 0 and sum to less than 1"):
         score_arithmetic("ketch/arithmetic", "#### 1", "2", None, digit_credit=1.0)
+    with pytest.raises(ValueError, match=r"digit_credit=0.5 and call_credit=0.5 must"):
+        score_arithmetic("ketch/arithmetic", "#### 1", "2", None, digit_credit=0.5, call_credit=0.5)
+
+
+def test_call_credit_pays_a_wrong_answer_whose_tool_calls_all_ran():
+    def scored(answer: str, calls: int, errors: int, **credit) -> dict:
+        info = {"messages": [], "tool_calls": calls, "tool_errors": errors}
+        return score_arithmetic("ketch/calculator", f"#### {answer}", "2301", info, **credit)
+
+    assert scored("2301", 1, 0, call_credit=0.1) == {"score": 1.0, "acc": 1.0}
+    assert scored("2310", 1, 0, call_credit=0.1) == {"score": 0.1, "acc": 0.0}
+    assert scored("2310", 2, 1, call_credit=0.1) == {"score": 0.0, "acc": 0.0}  # one call failed
+    assert scored("2310", 0, 0, call_credit=0.1) == {"score": 0.0, "acc": 0.0}  # answered without the tool
+    assert scored("2300", 1, 0, call_credit=0.1, digit_credit=0.5) == {"score": 0.1 + 0.5 * 3 / 4, "acc": 0.0}
+    assert score_arithmetic("ketch/arithmetic", "#### 7", "8", None, call_credit=0.1) == {"score": 0.0, "acc": 0.0}
