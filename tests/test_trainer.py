@@ -140,18 +140,28 @@ def test_all_truncated_responses_get_a_clear_warning_once(tiny_config, caplog):
     assert "rollout.stop_token_ids" in caplog.text
 
 
-def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_config):
-    weights, metrics = {}, {}
-    for recompute in ("true", "null"):
-        metrics[recompute], weights[recompute] = first_step(
+def grpo_first_steps(tiny_config, settings: tuple[str, ...], *common: str) -> tuple[list[dict], list[dict]]:
+    """`first_step` of a GRPO run (2 samples per prompt, lr 0.01, `common` overrides) under each of `settings`
+    (one override each): their metrics and their weights, in that order."""
+    steps = [
+        first_step(
             tiny_config(
                 "algorithm.adv_estimator=grpo",
                 "rollout.n=2",
                 "actor.optim.lr=0.01",
-                f"actor.recompute_old_log_prob={recompute}",
-                f"trainer.experiment_name=run-{recompute}",
+                *common,
+                setting,
+                f"trainer.experiment_name=run-{i}",
             )
         )
+        for i, setting in enumerate(settings)
+    ]
+    return [m for m, _ in steps], [w for _, w in steps]
+
+
+def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_config):
+    settings = ("actor.recompute_old_log_prob=true", "actor.recompute_old_log_prob=null")
+    metrics, weights = (dict(zip(("true", "null"), x, strict=True)) for x in grpo_first_steps(tiny_config, settings))
     assert "timing_s/old_log_prob" in metrics["true"] and "timing_s/old_log_prob" not in metrics["null"]
     # the old-log-prob pass also measures the rollout engine against the training engine: the same fp32
     # weights on the CPU, so the sampled tokens' probabilities agree to rounding (KV-cached decoding and the
@@ -168,22 +178,14 @@ def test_skipping_the_old_log_prob_pass_gives_the_same_update_on_policy(tiny_con
 
 
 def test_old_log_probs_from_the_rollout_save_the_pass_and_give_the_recomputed_update(tiny_config):
-    weights, metrics = {}, {}
-    for source in ("actor.recompute_old_log_prob=true", "actor.old_log_prob_from_rollout=true"):
-        metrics[source], weights[source] = first_step(
-            tiny_config(
-                "algorithm.adv_estimator=grpo",
-                "rollout.n=2",
-                "actor.ppo_mini_batch_size=4",  # two mini-batches: the second one's ratio needs π_old
-                "actor.optim.lr=0.01",
-                source,
-                f"trainer.experiment_name=run-{source.split('.')[1].split('=')[0]}",
-            )
-        )
-    recomputed, from_rollout = metrics.values()
+    settings = ("actor.recompute_old_log_prob=true", "actor.old_log_prob_from_rollout=true")
+    # two mini-batches: the second one's ratio needs π_old
+    (recomputed, from_rollout), (recomputed_weights, rollout_weights) = grpo_first_steps(
+        tiny_config, settings, "actor.ppo_mini_batch_size=4"
+    )
     assert "timing_s/old_log_prob" in recomputed and "timing_s/old_log_prob" not in from_rollout
     # the rollout's log-probs of the sampled tokens are the training engine's to rounding (fp32 on the CPU), so
     # the ratios, and with them the update, are the same
     assert from_rollout["actor/ppo_kl"] == pytest.approx(recomputed["actor/ppo_kl"], abs=1e-6)
-    for name, tensor in weights["actor.recompute_old_log_prob=true"].items():
-        torch.testing.assert_close(weights["actor.old_log_prob_from_rollout=true"][name], tensor, atol=1e-5, rtol=0)
+    for name, tensor in recomputed_weights.items():
+        torch.testing.assert_close(rollout_weights[name], tensor, atol=1e-5, rtol=0)

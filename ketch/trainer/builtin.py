@@ -142,7 +142,7 @@ def _settings_hash(warmup: Warmup) -> str:
     settings = {
         "task": warmup.task_hash,
         "model": model.to_dict(),
-        "warmup": [warmup.overrides, warmup.target, True],  # True: the bound rule (a cached model's key kept)
+        "warmup": [warmup.overrides, warmup.target],
         "format": _FORMAT_VERSION,
     }
     if warmup.start:
