@@ -16,7 +16,7 @@ for run in 1 2; do
   timeout 300 python3 benchmarks/rl_step.py --variant grpo --warmup 1 --steps 3 --out "$out/compile_wait_run$run.json" \
     >"$out/compile_wait_run$run.log" 2>&1
   echo "rc=$?"
-  grep -hE "ketch\.(rollout|engine)|^step" "$out/compile_wait_run$run.log"
+  grep -hE "ketch\.(rollout|engine|compiled)|^step" "$out/compile_wait_run$run.log"
   sed -n '/^compilation in the first step/,/^step 2/p' "$out/compile_wait_run$run.log" | grep -E "bytecode_tracing|compile_inner|inductor_load|call_user_compiler"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"first step {r['first_step_s']:.2f} s, warm step {r['step_s']:.3f} s: ratio {r['first_step_over_warm_step']:.2f}; first step stages {r['first_step_seconds']}; decode {r['decode_tokens_per_s']:.0f} tokens/s\")" "$out/compile_wait_run$run.json"
 done

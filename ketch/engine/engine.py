@@ -11,6 +11,7 @@ import logging
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ketch.cache import use_compile_cache
+from ketch.compiled import SavedCompile
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.micro import split_micro_batches
@@ -59,21 +60,29 @@ def compile_enabled(use_torch_compile: bool | None, device: torch.device) -> boo
     return device.type == "cuda" if use_torch_compile is None else use_torch_compile
 
 
+def _block_forward(block: nn.Module, *args, **kwargs):
+    """`block`'s own forward, with the block an input: one compiled graph serves every block."""
+    return type(block).forward(block, *args, **kwargs)
+
+
 def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
-    """Compile each transformer block's forward (and with it, through AOTAutograd, its backward) with
-    torch.compile: the elementwise work around the matmuls (norms, rotary embeddings, activations, residual
-    adds, casts) becomes a few fused kernels. The blocks share one compiled graph (the same code with the
-    block's parameters as inputs); FSDP's hooks stay outside it, on the module call. Returns how many blocks."""
+    """Compile each transformer block's forward (and with it, through AOTAutograd, its backward): the
+    elementwise work around the matmuls (norms, rotary embeddings, activations, residual adds, casts) becomes a
+    few fused kernels. The blocks share one compiled graph (the block's parameters are inputs), saved for later
+    runs (`ketch.compiled`); FSDP's hooks stay outside it, on the module call. Returns how many blocks."""
     blocks = transformer_blocks(module)
+    if not blocks:
+        return 0
+    name = type(blocks[0]).__name__
+    compiled = SavedCompile(_block_forward, f"train_block-{name}", backend=backend)
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=None)
-    if blocks:
-        logger.info(
-            "compiling the %d %s blocks of the training forward on first use (compiler cache %s)",
-            len(blocks),
-            type(blocks[0]).__name__,
-            use_compile_cache(),
-        )
+        block.forward = partial(compiled, block)
+    logger.info(
+        "compiling the %d %s blocks of the training forward on first use, or loading them (cache %s)",
+        len(blocks),
+        name,
+        compiled.directory,
+    )
     return len(blocks)
 
 

@@ -21,7 +21,7 @@ from functools import cache
 import torch
 from torch import nn
 
-from ketch.cache import use_compile_cache
+from ketch.compiled import SavedCompile
 
 logger = logging.getLogger("ketch.engine")
 
@@ -66,8 +66,10 @@ def _kernels(device_type: str):
     """The two formulas, compiled into fused kernels on CUDA (shapes may vary: the last chunk is shorter)."""
     if device_type != "cuda":
         return _statistics, _logit_grad
-    logger.info("compiling the fused log-prob/entropy kernels on first use (compiler cache %s)", use_compile_cache())
-    return torch.compile(_statistics, dynamic=None), torch.compile(_logit_grad, dynamic=None)
+    statistics, logit_grad = SavedCompile(_statistics, "token_statistics"), SavedCompile(_logit_grad, "logit_grad")
+    where = statistics.directory.parent
+    logger.info("compiling the fused log-prob/entropy kernels on first use, or loading them (cache %s)", where)
+    return statistics, logit_grad
 
 
 def _chunks(tokens: int, chunk: int) -> list[slice]:

@@ -9,9 +9,9 @@ row has finished. Attention of the one new token reads the KV cache once per key
 
 Compiled (on GPUs), each transformer block is compiled with torch.compile, and the blocks share one graph: the
 block's parameters and its KV cache are inputs of the graph, so dynamo traces one block, not the whole layer
-stack, once per shape (and in a later run only that trace is redone; inductor's code comes from the compiler
-cache). On CUDA the whole step, compiled blocks and the eager code around them, is then captured into one CUDA
-graph per shape and replayed once per token.
+stack, once per shape; the compiled block is saved, and a later run loads it without tracing
+(`ketch.compiled`). On CUDA the whole step, compiled blocks and the eager code around them, is then captured
+into one CUDA graph per shape and replayed once per token.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ketch.cache import use_compile_cache
+from ketch.compiled import SavedCompile, eager
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -33,8 +33,8 @@ CHECK_EVERY = 16
 PROMPT_BUCKET = 64
 """With shape buckets, prompts are left-padded to a multiple of this many tokens."""
 RECOMPILE_LIMIT = 64
-"""Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default): every decode shape
-adds one."""
+"""Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default), where the decode
+block is compiled with torch.compile itself (a backend object, not saved): every decode shape adds one."""
 
 DECODE_ATTENTION = "ketch_decode"
 """The attention implementation the decoding model is switched to."""
@@ -175,10 +175,11 @@ class StaticDecoder:
         self.compiled = compile_step
         self.weights: list[int] = []
         if compile_step:
-            self.compile_cache = use_compile_cache()
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-            compiled = torch.compile(_decode_block, backend=backend, fullgraph=True, dynamic=False)
+            name = f"decode_block-{type(self.blocks[0]).__name__}"
+            compiled = SavedCompile(_decode_block, name, dynamic=False, backend=backend)
+            self.compile_cache = compiled.directory
             for block in self.blocks:
                 block.forward = partial(compiled, block)
 
@@ -201,7 +202,7 @@ class StaticDecoder:
             if self.compiled:
                 logger.info(
                     "compiling the decode step for %d rows x %d tokens: one %s graph for its %d blocks%s "
-                    "(once per shape; compiler cache %s)",
+                    "(once per shape, or loaded from %s)",
                     batch,
                     length,
                     type(self.blocks[0]).__name__,
@@ -292,7 +293,7 @@ class StaticDecoder:
         b.mask.zero_()
         b.mask[:, :prompt_len] = attention_mask.bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        with torch.compiler.set_stance("force_eager"):  # the prompt runs once per call: not worth a compile
+        with eager():  # the prompt runs once per call: not worth a compile
             logits = self._step(input_ids, attention_mask, positions, torch.arange(prompt_len, device=device))
         b.positions.copy_(positions[:, -1:] + 1)
         tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
@@ -378,5 +379,6 @@ def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 def _sampler(device_type: str):
     if device_type != "cuda":
         return _sample
-    logger.info("compiling the sampling function on first use (compiler cache %s)", use_compile_cache())
-    return torch.compile(_sample, dynamic=False)
+    sample = SavedCompile(_sample, "sample", dynamic=False)
+    logger.info("compiling the sampling function on first use, or loading it (cache %s)", sample.directory)
+    return sample

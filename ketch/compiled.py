@@ -1,0 +1,207 @@
+"""torch.compile whose compiled code outlives the process.
+
+`SavedCompile(fn, name)` is called as `torch.compile(fn, fullgraph=True)` would be. Each compiled form of `fn`
+(torch's aot_compile: the traced graph, its guards and inductor's code) is saved in the ketch cache directory;
+a later process loads the saved forms and runs the first whose guards accept the call, so dynamo neither
+traces nor looks up its caches again (most of the first step of a run whose compiler caches are warm). A call
+that no form accepts compiles and saves a new form; as with torch.compile's automatic dynamic shapes, a new
+form makes dynamic the tensor sizes that differ from the last form's, unless `dynamic=False`. A saved form
+whose traced sources have changed since, or that another torch or another GPU saved, is not used. Where
+torch cannot compile or save `fn` this way, it falls back to `torch.compile(fn, fullgraph=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import inspect
+import io
+import logging
+import os
+import pickle
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ketch.cache import cache_dir, use_compile_cache
+
+logger = logging.getLogger("ketch.compiled")
+
+_EAGER = False
+
+
+@contextlib.contextmanager
+def eager():
+    """Run every `SavedCompile` (and torch.compile) eagerly inside the block."""
+    global _EAGER
+    previous, _EAGER = _EAGER, True
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        _EAGER = previous
+
+
+class SavedCompile:
+    """`fn` compiled with dynamo's aot_compile, one form per family of calls, saved under `name`."""
+
+    def __init__(self, fn, name: str, dynamic: bool | None = None, backend="inductor"):
+        self.fn, self.name, self.dynamic, self.backend = fn, name, dynamic, backend
+        self.forms: list[_Form] | None = None
+        self.fallback = None if isinstance(backend, str) else self._torch_compile()  # a backend object: not saved
+        self.directory = cache_dir() / "compiled" / torch.__version__ / str(backend) / name
+        """Where the forms are saved: by torch version, backend and `name`."""
+
+    def __call__(self, *args, **kwargs):
+        if _EAGER:
+            return self.fn(*args, **kwargs)
+        if self.fallback is not None:
+            return self.fallback(*args, **kwargs)
+        if self.forms is None:
+            self.forms = _load_forms(self.directory, self.fn.__globals__)
+        for form in self.forms:
+            if form.compiled.guard_check(*args, **kwargs):
+                return form.compiled.fn(*args, **kwargs)
+        form = self._compile(args, kwargs)
+        if form is None:
+            return self.fallback(*args, **kwargs)
+        self.forms.append(form)
+        return form.compiled.fn(*args, **kwargs)
+
+    def _compile(self, args, kwargs) -> _Form | None:
+        sizes = [tuple(t.shape) for t in _tensors(args, kwargs)]
+        dynamic = {} if self.dynamic is False or not self.forms else _changed(self.forms[-1], sizes)
+        marked = _mark_dynamic(args, kwargs, dynamic)
+        start = time.perf_counter()
+        try:
+            torch._dynamo.config.enable_aot_compile = True
+            use_compile_cache()
+            options = {"guard_filter_fn": _saved_guards}
+            compiled = self._torch_compile(options).aot_compile((args, kwargs))
+            data = type(compiled).serialize(compiled).serialized_data
+        except Exception as error:  # torch's failures here are many; torch.compile itself is always a way out
+            logger.warning("%s: torch.compile without saving (%s: %s)", self.name, type(error).__name__, error)
+            self.fallback = self._torch_compile()
+            return None
+        finally:
+            _unmark_dynamic(marked)
+        form = _Form(compiled, sizes, dynamic)
+        _save(self.directory, form, data)
+        logger.info("%s: compiled a form in %.1f s%s", self.name, time.perf_counter() - start, _describe(dynamic))
+        return form
+
+    def __getstate__(self):
+        """Only what defines the function: a module whose `forward` is this object is pickled with the guards of
+        its compiled forms, which must not hold the forms themselves."""
+        return {"fn": self.fn, "name": self.name, "dynamic": self.dynamic, "backend": self.backend}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def _torch_compile(self, options: dict | None = None):
+        return torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic, backend=self.backend, options=options)
+
+
+class _Form:
+    """One compiled form: the loaded function, the tensor sizes it was compiled for and its dynamic dims
+    (tensor index -> dims)."""
+
+    def __init__(self, compiled, sizes: list[tuple[int, ...]], dynamic: dict[int, list[int]]):
+        self.compiled, self.sizes, self.dynamic = compiled, sizes, dynamic
+
+
+def _saved_guards(entries) -> list[bool]:
+    """Which guards a saved form keeps: torch's own rule (none on globals, none of a kind that cannot be saved),
+    and no type guard on an FSDP-wrapped module, whose class FSDP makes anew in each process (it would load as
+    the module's own class and never match again; the parameters' guards and the form's name still tell
+    modules apart)."""
+    from torch._dynamo.guards import CheckFunctionManager
+    from torch.distributed.fsdp import FSDPModule
+
+    unsaved = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+    return [
+        not (
+            e.is_global or e.guard_type in unsaved or (e.guard_type == "TYPE_MATCH" and isinstance(e.value, FSDPModule))
+        )
+        for e in entries
+    ]
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    return [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+
+
+def _changed(last: _Form, sizes: list[tuple[int, ...]]) -> dict[int, list[int]]:
+    """The last form's dynamic dims plus the dims whose size differs from its example's."""
+    dynamic = {i: list(dims) for i, dims in last.dynamic.items()}
+    for i, (old, new) in enumerate(zip(last.sizes, sizes, strict=False)):
+        if len(old) == len(new):
+            changed = {d for d, (a, b) in enumerate(zip(old, new, strict=True)) if a != b}
+            dims = sorted(set(dynamic.get(i, [])) | changed)
+            if dims:
+                dynamic[i] = dims
+    return dynamic
+
+
+def _mark_dynamic(args, kwargs, dynamic: dict[int, list[int]]) -> list[torch.Tensor]:
+    tensors = _tensors(args, kwargs)
+    marked = [tensors[i] for i in dynamic if i < len(tensors)]
+    for i, t in enumerate(tensors):
+        if i in dynamic:
+            torch._dynamo.mark_dynamic(t, dynamic[i])
+    return marked
+
+
+def _unmark_dynamic(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        if hasattr(t, "_dynamo_dynamic_indices"):
+            del t._dynamo_dynamic_indices
+
+
+def _describe(dynamic: dict[int, list[int]]) -> str:
+    return f" (dynamic sizes: {dynamic})" if dynamic else ""
+
+
+def _save(directory: Path, form: _Form, data: bytes) -> None:
+    """Write the form atomically, under a name of its own (ranks and runs compile side by side)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{uuid.uuid4().hex}.form"
+    temporary = path.with_suffix(".tmp")
+    temporary.write_bytes(pickle.dumps({"sizes": form.sizes, "dynamic": form.dynamic, "compiled": data}))
+    os.replace(temporary, path)
+
+
+def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
+    """The saved forms that this process can use, oldest first (`f_globals`: the function's module globals);
+    stale ones are deleted."""
+    if not directory.is_dir():
+        return []
+    forms = []
+    for path in sorted(directory.glob("*.form"), key=lambda p: p.stat().st_mtime):
+        try:
+            saved = pickle.loads(path.read_bytes())
+            compiled = torch.compiler.load_compiled_function(io.BytesIO(saved["compiled"]), f_globals=f_globals)
+            if not _sources_unchanged(compiled):
+                raise RuntimeError("its traced sources changed")
+        except Exception as error:  # any form that does not load is compiled again
+            logger.info("%s: not using %s (%s: %s)", directory.name, path.name, type(error).__name__, error)
+            path.unlink(missing_ok=True)
+            continue
+        forms.append(_Form(compiled, saved["sizes"], saved["dynamic"]))
+    if forms:
+        logger.info("%s: loaded %d compiled forms from %s", directory.name, len(forms), directory)
+    return forms
+
+
+def _sources_unchanged(compiled) -> bool:
+    """Whether every source that dynamo traced into the form still reads the same."""
+    for source in compiled.source_info().inlined_sources:
+        lines = inspect.getsourcelines(importlib.import_module(source.module))[0]
+        text = "".join(lines[source.firstlineno - 1 : source.lastlineno - 1])
+        if hashlib.sha256(text.encode()).hexdigest() != source.checksum:
+            return False
+    return True
