@@ -22,6 +22,7 @@ import os
 import pickle
 import time
 import uuid
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -53,6 +54,8 @@ class SavedCompile:
         self.fn, self.name, self.dynamic, self.backend = fn, name, dynamic, backend
         self.forms: list[_Form] | None = None
         self.fallback = None if isinstance(backend, str) else self._torch_compile()  # a backend object: not saved
+        if self.fallback is None:
+            _import_compiler()
         self.directory = cache_dir() / "compiled" / torch.__version__ / str(backend) / name
         """Where the forms are saved: by torch version, backend and `name`."""
 
@@ -112,6 +115,15 @@ class _Form:
 
     def __init__(self, compiled, sizes: list[tuple[int, ...]], dynamic: dict[int, list[int]]):
         self.compiled, self.sizes, self.dynamic = compiled, sizes, dynamic
+
+
+@cache
+def _import_compiler() -> None:
+    """Import the parts of torch's compiler that loading a form runs (AOTAutograd, inductor's code cache and
+    Triton runtime: seconds in a fresh process) when a compiled function is set up, not inside its first call."""
+    import torch._functorch.aot_autograd
+    import torch._inductor.async_compile
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def _saved_guards(entries) -> list[bool]:
