@@ -2,8 +2,9 @@
 
 `SavedCompile(fn, name)` is called as `torch.compile(fn, fullgraph=True)` would be. Each compiled form of `fn`
 (torch's aot_compile: the traced graph, its guards and inductor's code) is saved in the ketch cache directory;
-a later process loads the saved forms and runs the first whose guards accept the call, so dynamo neither
-traces nor looks up its caches again (most of the first step of a run whose compiler caches are warm). A call
+a later process loads the saved forms (`load`: where the model is set up, or at the first call) and runs the
+first whose guards accept the call, so dynamo neither traces nor looks up its caches again (most of the
+first step of a run whose compiler caches are warm). A call
 that no form accepts compiles and saves a new form; as with torch.compile's automatic dynamic shapes, a new
 form makes dynamic the tensor sizes that differ from the last form's, unless `dynamic=False`. A saved form
 whose traced sources have changed since, or that another torch or another GPU saved, is not used. Where
@@ -64,9 +65,7 @@ class SavedCompile:
             return self.fn(*args, **kwargs)
         if self.fallback is not None:
             return self.fallback(*args, **kwargs)
-        if self.forms is None:
-            self.forms = _load_forms(self.directory, self.fn.__globals__)
-        for form in self.forms:
+        for form in self.load():
             if form.compiled.guard_check(*args, **kwargs):
                 return form.compiled.fn(*args, **kwargs)
         form = self._compile(args, kwargs)
@@ -96,6 +95,16 @@ class SavedCompile:
         _save(self.directory, form, data)
         logger.info("%s: compiled a form in %.1f s%s", self.name, time.perf_counter() - start, _describe(dynamic))
         return form
+
+    def load(self) -> list[_Form]:
+        """The saved forms, loaded on the first call (or earlier, where the caller sets things up: a form's
+        guards may name classes that exist only then, as FSDP's class of a sharded module)."""
+        if self.forms is None:
+            start = time.perf_counter()
+            self.forms = [] if self.fallback is not None else _load_forms(self.directory, self.fn.__globals__)
+            if self.forms:
+                logger.info("%s: loaded %d forms in %.2f s", self.name, len(self.forms), time.perf_counter() - start)
+        return self.forms
 
     def __getstate__(self):
         """Only what defines the function: a module whose `forward` is this object is pickled with the guards of
@@ -204,8 +213,6 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
             path.unlink(missing_ok=True)
             continue
         forms.append(_Form(compiled, saved["sizes"], saved["dynamic"]))
-    if forms:
-        logger.info("%s: loaded %d compiled forms from %s", directory.name, len(forms), directory)
     return forms
 
 

@@ -65,14 +65,15 @@ def _block_forward(block: nn.Module, *args, **kwargs):
     return type(block).forward(block, *args, **kwargs)
 
 
-def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
+def compile_blocks(module: nn.Module, backend: str = "inductor") -> SavedCompile | None:
     """Compile each transformer block's forward (and with it, through AOTAutograd, its backward): the
-    elementwise work around the matmuls (norms, rotary embeddings, activations, residual adds, casts) becomes a
-    few fused kernels. The blocks share one compiled graph (the block's parameters are inputs), saved for later
-    runs (`ketch.compiled`); FSDP's hooks stay outside it, on the module call. Returns how many blocks."""
+        elementwise work around the matmuls (norms, rotary embeddings, activations, residual adds, casts) becomes a
+        few fused kernels. The blocks share one compiled graph (the block's parameters are inputs), saved for later
+        runs (`ketch.compiled`); FSDP's hooks stay outside it, on the module call. Returns the compiled function
+    (None without blocks)."""
     blocks = transformer_blocks(module)
     if not blocks:
-        return 0
+        return None
     name = type(blocks[0]).__name__
     compiled = SavedCompile(_block_forward, f"train_block-{name}", backend=backend)
     for block in blocks:
@@ -83,7 +84,7 @@ def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
         name,
         compiled.directory,
     )
-    return len(blocks)
+    return compiled
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
@@ -119,10 +120,10 @@ class TrainEngine:
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compile:
-            compile_blocks(module)
         self.device, self.param_dtype = device, param_dtype
         self.module = shard(module, device, param_dtype)
+        if compile and (compiled := compile_blocks(self.module)) is not None:
+            compiled.load()  # after sharding: the saved guards name FSDP's class of the blocks
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.optim_config = optim
         if optim is None:

@@ -180,6 +180,9 @@ class StaticDecoder:
             name = f"decode_block-{type(self.blocks[0]).__name__}"
             compiled = SavedCompile(_decode_block, name, dynamic=False, backend=backend)
             self.compile_cache = compiled.directory
+            compiled.load()
+            if next(model.parameters()).is_cuda:
+                _sampler("cuda").load()
             for block in self.blocks:
                 block.forward = partial(compiled, block)
 
