@@ -23,6 +23,7 @@ import os
 import pickle
 import time
 import uuid
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class SavedCompile:
         self.forms: list[_Form] | None = None
         self.fallback = None if isinstance(backend, str) else self._torch_compile()  # a backend object: not saved
         if self.fallback is None:
+            use_compile_cache()
             _import_compiler()
         self.directory = cache_dir() / "compiled" / torch.__version__ / str(backend) / name
         """Where the forms are saved: by torch version, backend and `name`."""
@@ -81,9 +83,10 @@ class SavedCompile:
         start = time.perf_counter()
         try:
             torch._dynamo.config.enable_aot_compile = True
-            use_compile_cache()
             options = {"guard_filter_fn": _saved_guards}
-            compiled = self._torch_compile(options).aot_compile((args, kwargs))
+            with warnings.catch_warnings():  # saving the guards reads `.grad` of FSDP's unsharded parameters
+                warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+                compiled = self._torch_compile(options).aot_compile((args, kwargs))
             data = type(compiled).serialize(compiled).serialized_data
         except Exception as error:  # torch's failures here are many; torch.compile itself is always a way out
             logger.warning("%s: torch.compile without saving (%s: %s)", self.name, type(error).__name__, error)

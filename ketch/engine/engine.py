@@ -120,9 +120,10 @@ class TrainEngine:
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compiled = compile_blocks(module) if compile else None
         self.device, self.param_dtype = device, param_dtype
         self.module = shard(module, device, param_dtype)
-        if compile and (compiled := compile_blocks(self.module)) is not None:
+        if compiled is not None:
             compiled.load()  # after sharding: the saved guards name FSDP's class of the blocks
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.optim_config = optim
