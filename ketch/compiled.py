@@ -3,12 +3,12 @@
 `SavedCompile(fn, name)` is called as `torch.compile(fn, fullgraph=True)` would be. Each compiled form of `fn`
 (torch's aot_compile: the traced graph, its guards and inductor's code) is saved in the ketch cache directory;
 a later process loads the saved forms (`load`: where the model is set up, or at the first call) and runs the
-first whose guards accept the call, so dynamo neither traces nor looks up its caches again (most of the
-first step of a run whose compiler caches are warm). A call
-that no form accepts compiles and saves a new form; as with torch.compile's automatic dynamic shapes, a new
-form makes dynamic the tensor sizes that differ from the last form's, unless `dynamic=False`. A saved form
-whose traced sources have changed since, or that another torch or another GPU saved, is not used. Where
-torch cannot compile or save `fn` this way, it falls back to `torch.compile(fn, fullgraph=True)`.
+first whose guards accept the call, so dynamo neither traces nor looks up its caches again (which was most of
+the first step of a run whose compiler caches were warm). A call that no form accepts compiles and saves a new
+form; as with torch.compile's automatic dynamic shapes, a new form makes dynamic the tensor sizes that differ
+from the last form's, unless `dynamic=False`. A saved form whose traced sources have changed is deleted; one
+that another torch or another GPU saved is not used. Where torch cannot compile or save `fn` this way, it
+falls back to `torch.compile(fn, fullgraph=True)`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class SavedCompile:
             return self.fallback(*args, **kwargs)
         for form in self.load():
             if form.compiled.guard_check(*args, **kwargs):
-                return form.compiled.fn(*args, **kwargs)
+                return form.compiled.fn(*args, **kwargs)  # `fn`: the form without a second guard check
         form = self._compile(args, kwargs)
         if form is None:
             return self.fallback(*args, **kwargs)
@@ -172,18 +172,19 @@ def _changed(last: _Form, sizes: list[tuple[int, ...]]) -> dict[int, list[int]]:
 
 
 def _mark_dynamic(args, kwargs, dynamic: dict[int, list[int]]) -> list[torch.Tensor]:
-    tensors = _tensors(args, kwargs)
-    marked = [tensors[i] for i in dynamic if i < len(tensors)]
-    for i, t in enumerate(tensors):
+    """Mark the dims dynamic where dynamo may (not a size of 0 or 1); returns the marked tensors."""
+    marked = []
+    for i, t in enumerate(_tensors(args, kwargs)):
         if i in dynamic:
-            torch._dynamo.mark_dynamic(t, dynamic[i])
+            torch._dynamo.maybe_mark_dynamic(t, dynamic[i])
+            marked.append(t)
     return marked
 
 
 def _unmark_dynamic(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
-        if hasattr(t, "_dynamo_dynamic_indices"):
-            del t._dynamo_dynamic_indices
+        if hasattr(t, "_dynamo_weak_dynamic_indices"):
+            del t._dynamo_weak_dynamic_indices
 
 
 def _describe(dynamic: dict[int, list[int]]) -> str:
@@ -201,7 +202,7 @@ def _save(directory: Path, form: _Form, data: bytes) -> None:
 
 def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
     """The saved forms that this process can use, oldest first (`f_globals`: the function's module globals);
-    stale ones are deleted."""
+    those whose traced sources changed are deleted."""
     if not directory.is_dir():
         return []
     forms = []
@@ -209,10 +210,11 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
         try:
             saved = pickle.loads(path.read_bytes())
             compiled = torch.compiler.load_compiled_function(io.BytesIO(saved["compiled"]), f_globals=f_globals)
-            if not _sources_unchanged(compiled):
-                raise RuntimeError("its traced sources changed")
-        except Exception as error:  # any form that does not load is compiled again
+        except Exception as error:  # another GPU's, or unreadable: what it served is compiled again
             logger.info("%s: not using %s (%s: %s)", directory.name, path.name, type(error).__name__, error)
+            continue
+        if not _sources_unchanged(compiled):
+            logger.info("%s: deleting %s, whose traced sources changed", directory.name, path.name)
             path.unlink(missing_ok=True)
             continue
         forms.append(_Form(compiled, saved["sizes"], saved["dynamic"]))
