@@ -82,6 +82,27 @@ def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_m
     assert counter.frame_count == 2
 
 
+def test_a_later_decoder_loads_the_saved_decode_block_and_decodes_as_eager(tiny_model_dir, tmp_path, monkeypatch):
+    """The decode block saved by one compiled decoder (`ketch.compiled`, `aot_eager` backend) is loaded by the
+    next (as in a later run): no new form is compiled, and both give eager decoding's greedy tokens."""
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
+    model, input_ids, attention_mask = greedy_case(tiny_model_dir)
+    args = (input_ids, attention_mask, 6, Sampling(do_sample=False), [8])
+    eager_tokens, eager_log_probs = StaticDecoder(model, compile_step=False).generate(*args, pad_token_id=0)
+    forms = []
+    for _ in range(2):
+        decoder = StaticDecoder(model, compile_step=True, buckets=False, backend="aot_eager")
+        saved = decoder.blocks[0].forward.func
+        loaded = len(saved.forms)
+        tokens, log_probs = decoder.generate(*args, pad_token_id=0)
+        assert torch.equal(tokens, eager_tokens)
+        torch.testing.assert_close(log_probs, eager_log_probs, atol=1e-5, rtol=0)
+        forms.append((loaded, len(saved.forms), len(list(saved.directory.glob("*.form")))))
+    assert forms == [(0, 1, 1), (1, 1, 1)]
+
+
 def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
     """With every token a stop token all rows finish at the first token, and the loop stops at the first check
     (`CHECK_EVERY` = 16: decode steps for tokens 2..16, 15 in all) instead of running 63 steps for 64 tokens."""
