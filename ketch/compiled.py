@@ -6,9 +6,10 @@ a later process loads the saved forms (`load`: where the model is set up, or at 
 first whose guards accept the call, so dynamo neither traces nor looks up its caches again (which was most of
 the first step of a run whose compiler caches were warm). A call that no form accepts compiles and saves a new
 form; as with torch.compile's automatic dynamic shapes, a new form makes dynamic the tensor sizes that differ
-from the last form's, unless `dynamic=False`. A saved form whose traced sources have changed is deleted; one
-that another torch or another GPU saved is not used. Where torch cannot compile or save `fn` this way, it
-falls back to `torch.compile(fn, fullgraph=True)`.
+from the last form's, unless `dynamic=False`. The first process of each machine (`LOCAL_RANK` 0) saves what
+it compiles; the others load its forms in later runs. A saved form whose traced sources have changed is
+deleted; one that another torch or another GPU saved is not used. Where torch cannot compile or save `fn`
+this way, it falls back to `torch.compile(fn, fullgraph=True)`.
 """
 
 from __future__ import annotations
@@ -95,8 +96,11 @@ class SavedCompile:
         finally:
             _unmark_dynamic(marked)
         form = _Form(compiled, sizes, dynamic)
-        _save(self.directory, form, data)
-        logger.info("%s: compiled a form in %.1f s%s", self.name, time.perf_counter() - start, _describe(dynamic))
+        saved = os.environ.get("LOCAL_RANK", "0") == "0"  # one copy per machine, not one per process
+        if saved:
+            _save(self.directory, form, data)
+        took, where = time.perf_counter() - start, "" if saved else ", not saved"
+        logger.info("%s: compiled a form in %.1f s%s%s", self.name, took, _describe(dynamic), where)
         return form
 
     def load(self) -> list[_Form]:

@@ -75,6 +75,18 @@ def test_a_new_size_adds_one_form_in_which_that_size_is_dynamic(tmp_path, monkey
     assert len(compiled.forms) == 4
 
 
+def test_only_the_first_process_of_a_machine_saves_its_forms(tmp_path, monkeypatch):
+    """Ranks compile the same forms: with `LOCAL_RANK` 1 the form serves the process but is not written."""
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
+    w1, w2 = weights()
+    x = torch.randn(4, 16)
+    for local_rank, files in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        compiled = SavedCompile(mlp, "mlp", backend=BACKEND)
+        torch.testing.assert_close(compiled(x, w1, w2, 2.0), mlp(x, w1, w2, 2.0), atol=1e-6, rtol=1e-6)
+        assert len(compiled.forms) == 1 and saved_files(compiled) == files
+
+
 def test_a_form_whose_traced_source_changed_is_deleted_and_compiled_again(tmp_path, monkeypatch):
     """Editing the compiled function's module makes its saved form stale: not used, deleted, compiled anew."""
     monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path / "cache"))
