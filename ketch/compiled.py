@@ -81,6 +81,8 @@ class SavedCompile:
         sizes = [tuple(t.shape) for t in _tensors(args, kwargs)]
         dynamic = {} if self.dynamic is False or not self.forms else _changed(self.forms[-1], sizes)
         marked = _mark_dynamic(args, kwargs, dynamic)
+        grad = "on" if torch.is_grad_enabled() else "off"
+        logger.info("%s: compiling a form for sizes %s, grad %s%s", self.name, sizes, grad, _describe(dynamic))
         start = time.perf_counter()
         try:
             torch._dynamo.config.enable_aot_compile = True
@@ -99,8 +101,8 @@ class SavedCompile:
         saved = os.environ.get("LOCAL_RANK", "0") == "0"  # one copy per machine, not one per process
         if saved:
             _save(self.directory, form, data)
-        took, where = time.perf_counter() - start, "" if saved else ", not saved"
-        logger.info("%s: compiled a form in %.1f s%s%s", self.name, took, _describe(dynamic), where)
+        took, where = time.perf_counter() - start, "saved" if saved else "not saved"
+        logger.info("%s: compiled in %.1f s, %s", self.name, took, where)
         return form
 
     def load(self) -> list[_Form]:
