@@ -120,12 +120,14 @@ def test_token_log_probs_without_entropy_differentiate_the_log_probs_only():
     assert empty.shape == (0,) and empty.requires_grad  # a micro-batch without response tokens still backpropagates
 
 
-def test_a_compiling_engine_sends_every_sharded_block_through_one_saved_function(tiny_model_dir):
-    """`compile=True` compiles the blocks before sharding (FSDP gives them a class of its own, which the
-    blocks are found by the name of) and loads the saved forms after it (their guards name FSDP's class)."""
+def test_a_compiling_engine_sends_every_sharded_block_through_one_saved_function(tiny_model_dir, tmp_path, monkeypatch):
+    """`compile=True` compiles the blocks before sharding (FSDP gives the blocks a class of its own, and
+    `transformer_blocks` finds them by their class's name) and loads the saved forms after it (their guards
+    name FSDP's class)."""
     from ketch.compiled import SavedCompile
     from ketch.engine.engine import transformer_blocks
 
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
     init_process_group(CPU)
     policy = PolicyModel(load_causal_lm(str(tiny_model_dir), torch.float32))
     blocks = transformer_blocks(policy)
@@ -133,7 +135,7 @@ def test_a_compiling_engine_sends_every_sharded_block_through_one_saved_function
     functions = {block.forward.func for block in blocks}
     assert len(blocks) == 2 and len(functions) == 1
     compiled = functions.pop()
-    assert isinstance(compiled, SavedCompile) and compiled.forms == []  # loaded: nothing saved in this cache yet
+    assert isinstance(compiled, SavedCompile) and compiled.forms == []  # loaded: nothing saved in this cache
     assert type(blocks[0]).__name__ == "FSDPQwen2DecoderLayer"
 
 

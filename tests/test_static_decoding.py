@@ -171,7 +171,7 @@ def test_static_decoding_keeps_a_sliding_window_as_generate_does():
 def test_decode_shapes_leave_the_training_blocks_compile_static(tiny_model_dir):
     """Dynamo makes a dimension dynamic once a compiled function has seen it change, per function: the decoder
     compiles a function of its own, so a training forward compiled after decoding (`engine.compile_blocks`
-    compiles the block's `forward`) still gets a graph of fixed shapes, no size among its inputs."""
+    compiles another) still gets a graph of fixed shapes, no size among its inputs."""
     from ketch.engine.engine import compile_blocks
     from ketch.rollout.static_decoding import Sampling, StaticDecoder
 

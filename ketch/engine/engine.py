@@ -67,9 +67,9 @@ def _block_forward(block: nn.Module, *args, **kwargs):
 
 def compile_blocks(module: nn.Module, backend: str = "inductor") -> SavedCompile | None:
     """Compile each transformer block's forward (and with it, through AOTAutograd, its backward): the
-        elementwise work around the matmuls (norms, rotary embeddings, activations, residual adds, casts) becomes a
-        few fused kernels. The blocks share one compiled graph (the block's parameters are inputs), saved for later
-        runs (`ketch.compiled`); FSDP's hooks stay outside it, on the module call. Returns the compiled function
+    elementwise work around the matmuls (norms, rotary embeddings, activations, residual adds, casts) becomes a
+    few fused kernels. The blocks share one compiled graph (the block's parameters are inputs), saved for later
+    runs (`ketch.compiled`); FSDP's hooks stay outside it, on the module call. Returns the compiled function
     (None without blocks)."""
     blocks = transformer_blocks(module)
     if not blocks:

@@ -111,9 +111,10 @@ def use_cached_attention(model: nn.Module) -> None:
 
 
 def _decode_block(block: nn.Module, *args, **kwargs):
-    """`block`'s own forward, in a function of its own for the decoder to compile: dynamo keeps its shape
-    history (which makes shapes that changed dynamic) and its recompile limit per function, so the decode
-    shapes stay apart from the training forwards' compiled blocks, which compile the block's `forward` itself."""
+    """`block`'s own forward, in a function of its own for the decoder to compile: where torch.compile itself
+    compiles it, dynamo keeps its shape history (which makes shapes that changed dynamic) and its recompile
+    limit per function, so the decode shapes stay apart from the training forwards' (`engine.compile_blocks`
+    compiles a function of its own too)."""
     return type(block).forward(block, *args, **kwargs)
 
 
