@@ -98,11 +98,16 @@ class SavedCompile:
         finally:
             _unmark_dynamic(marked)
         form = _Form(compiled, sizes, dynamic)
-        saved = os.environ.get("LOCAL_RANK", "0") == "0"  # one copy per machine, not one per process
-        if saved:
+        took = time.perf_counter() - start
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # one copy per machine, not one per process
+            logger.info("%s: compiled in %.1f s, not saved (LOCAL_RANK 0 saves)", self.name, took)
+            return form
+        try:
             _save(self.directory, form, data)
-        took, where = time.perf_counter() - start, "saved" if saved else "not saved"
-        logger.info("%s: compiled in %.1f s, %s", self.name, took, where)
+        except OSError as error:
+            logger.warning("%s: compiled in %.1f s, not saved to %s (%s)", self.name, took, self.directory, error)
+        else:
+            logger.info("%s: compiled in %.1f s, saved", self.name, took)
         return form
 
     def load(self) -> list[_Form]:
@@ -212,7 +217,7 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
     if not directory.is_dir():
         return []
     forms = []
-    for path in sorted(directory.glob("*.form"), key=lambda p: p.stat().st_mtime):
+    for path in sorted(directory.glob("*.form"), key=_age):
         try:
             saved = pickle.loads(path.read_bytes())
             compiled = torch.compiler.load_compiled_function(io.BytesIO(saved["compiled"]), f_globals=f_globals)
@@ -225,6 +230,14 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
             continue
         forms.append(_Form(compiled, saved["sizes"], saved["dynamic"]))
     return forms
+
+
+def _age(path: Path) -> float:
+    """When the form was written (one that another process deleted meanwhile sorts last and then fails to load)."""
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return float("inf")
 
 
 def _sources_unchanged(compiled) -> bool:

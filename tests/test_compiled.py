@@ -87,6 +87,23 @@ def test_only_the_first_process_of_a_machine_saves_its_forms(tmp_path, monkeypat
         assert len(compiled.forms) == 1 and saved_files(compiled) == files
 
 
+def test_a_cache_that_cannot_be_written_costs_the_saving_only(tmp_path, monkeypatch, caplog):
+    """Where the form cannot be written (here its directory would sit under a file), a warning says where, and
+    the compiled form still serves this process."""
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "blocked").write_text("a file, not a directory")
+    w1, w2 = weights()
+    x = torch.randn(4, 16)
+    compiled = SavedCompile(mlp, "mlp", backend=BACKEND)
+    compiled.directory = tmp_path / "blocked" / "mlp"
+    with caplog.at_level("WARNING", logger="ketch.compiled"):
+        torch.testing.assert_close(compiled(x, w1, w2, 2.0), mlp(x, w1, w2, 2.0), atol=1e-6, rtol=1e-6)
+    assert f"not saved to {tmp_path / 'blocked' / 'mlp'}" in caplog.text
+    assert len(compiled.forms) == 1
+    compiled(x, w1, w2, 2.0)
+    assert len(compiled.forms) == 1
+
+
 def test_a_form_whose_traced_source_changed_is_deleted_and_compiled_again(tmp_path, monkeypatch):
     """Editing the compiled function's module makes its saved form stale: not used, deleted, compiled anew."""
     monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path / "cache"))
