@@ -9,7 +9,8 @@ form; as with torch.compile's automatic dynamic shapes, a new form makes dynamic
 from the last form's, unless `dynamic=False`. The first process of each machine (`LOCAL_RANK` 0) saves what
 it compiles; the others load its forms in later runs. A saved form whose traced sources have changed is
 deleted; one that another torch or another GPU saved is not used. Where torch cannot compile or save `fn`
-this way, it falls back to `torch.compile(fn, fullgraph=True)`.
+this way, it falls back to `torch.compile(fn, fullgraph=True)`. `saved_compile` gives the process one
+`SavedCompile` per function and name, which every engine of the same blocks shares.
 """
 
 from __future__ import annotations
@@ -130,6 +131,17 @@ class SavedCompile:
 
     def _torch_compile(self, options: dict | None = None):
         return torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic, backend=self.backend, options=options)
+
+
+def saved_compile(fn, name: str, dynamic: bool | None = None, backend="inductor") -> SavedCompile:
+    """The process's one `SavedCompile` of `fn` under `name` (per cache directory): engines of the same blocks
+    (actor, reference, critic) share its forms instead of each compiling, saving and loading them."""
+    return _shared(fn, name, dynamic, backend, cache_dir())
+
+
+@cache
+def _shared(fn, name: str, dynamic: bool | None, backend, directory: Path) -> SavedCompile:
+    return SavedCompile(fn, name, dynamic, backend)
 
 
 class _Form:

@@ -123,25 +123,28 @@ def test_token_log_probs_without_entropy_differentiate_the_log_probs_only():
 def test_a_compiling_engine_sends_every_sharded_block_through_one_saved_function(tiny_model_dir, tmp_path, monkeypatch):
     """`compile=True` compiles the blocks before sharding (FSDP gives the blocks a class of its own, and
     `transformer_blocks` finds them by their class's name) and loads the saved forms after it (their guards
-    name FSDP's class)."""
+    name FSDP's class); engines of the same blocks share the compiled function and its forms."""
     from ketch.compiled import SavedCompile
     from ketch.engine.engine import transformer_blocks
 
     monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
     init_process_group(CPU)
-    policy = PolicyModel(load_causal_lm(str(tiny_model_dir), torch.float32))
-    blocks = transformer_blocks(policy)
-    TrainEngine(policy, CPU, OptimConfig(lr=0.0), total_steps=1, compile=True)
+    blocks = []
+    for optim in (OptimConfig(lr=0.0), None):  # an actor and its reference: one compiled function, shared
+        policy = PolicyModel(load_causal_lm(str(tiny_model_dir), torch.float32))
+        blocks += transformer_blocks(policy)
+        TrainEngine(policy, CPU, optim, total_steps=1, compile=True)
     functions = {block.forward.func for block in blocks}
-    assert len(blocks) == 2 and len(functions) == 1
+    assert len(blocks) == 4 and len(functions) == 1
     compiled = functions.pop()
     assert isinstance(compiled, SavedCompile) and compiled.forms == []  # loaded: nothing saved in this cache
     assert type(blocks[0]).__name__ == "FSDPQwen2DecoderLayer"
 
 
-def test_compiled_blocks_give_the_eager_log_probs_entropy_and_gradients(tiny_model_dir):
+def test_compiled_blocks_give_the_eager_log_probs_entropy_and_gradients(tiny_model_dir, tmp_path, monkeypatch):
     """Each decoder block through torch.compile (dynamo and AOTAutograd, FSDP's hooks outside; `aot_eager` keeps
     the test fast on a CPU) against the eager model: same outputs and gradients, one graph for both blocks."""
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))  # no forms saved by other tests
     init_process_group(CPU)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()

@@ -85,6 +85,7 @@ def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_m
 def test_a_later_decoder_loads_the_saved_decode_block_and_decodes_as_eager(tiny_model_dir, tmp_path, monkeypatch):
     """The decode block saved by one compiled decoder (`ketch.compiled`, `aot_eager` backend) is loaded by the
     next (as in a later run): no new form is compiled, and both give eager decoding's greedy tokens."""
+    from ketch.compiled import _shared
     from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
     monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
@@ -93,6 +94,7 @@ def test_a_later_decoder_loads_the_saved_decode_block_and_decodes_as_eager(tiny_
     eager_tokens, eager_log_probs = StaticDecoder(model, compile_step=False).generate(*args, pad_token_id=0)
     forms = []
     for _ in range(2):
+        _shared.cache_clear()  # each decoder as in a process of its own: no compiled function to share
         decoder = StaticDecoder(model, compile_step=True, buckets=False, backend="aot_eager")
         saved = decoder.blocks[0].forward.func
         loaded = len(saved.forms)

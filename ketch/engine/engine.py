@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ketch.compiled import SavedCompile
+from ketch.compiled import SavedCompile, saved_compile
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.micro import split_micro_batches
@@ -75,7 +75,7 @@ def compile_blocks(module: nn.Module, backend: str = "inductor") -> SavedCompile
     if not blocks:
         return None
     name = type(blocks[0]).__name__
-    compiled = SavedCompile(_block_forward, f"train_block-{name}", backend=backend)
+    compiled = saved_compile(_block_forward, f"train_block-{name}", backend=backend)
     for block in blocks:
         block.forward = partial(compiled, block)
     logger.info(

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ketch.compiled import SavedCompile, eager
+from ketch.compiled import SavedCompile, eager, saved_compile
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -179,7 +179,7 @@ class StaticDecoder:
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
             name = f"decode_block-{type(self.blocks[0]).__name__}"
-            compiled = SavedCompile(_decode_block, name, dynamic=False, backend=backend)
+            compiled = saved_compile(_decode_block, name, dynamic=False, backend=backend)
             self.compile_cache = compiled.directory
             compiled.load()
             if next(model.parameters()).is_cuda:
