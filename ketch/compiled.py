@@ -57,10 +57,12 @@ class SavedCompile:
     def __init__(self, fn, name: str, dynamic: bool | None = None, backend="inductor"):
         self.fn, self.name, self.dynamic, self.backend = fn, name, dynamic, backend
         self.forms: list[_Form] | None = None
-        self.fallback = None if isinstance(backend, str) else self._torch_compile()  # a backend object: not saved
-        if self.fallback is None:
+        self.fallback = None
+        if isinstance(backend, str):
             use_compile_cache()
             _import_compiler()
+        else:  # a backend object: plain torch.compile, not saved
+            self.fallback = self._torch_compile()
         self.directory = cache_dir() / "compiled" / torch.__version__ / str(backend) / name
         """Where the forms are saved: by torch version, backend and `name`."""
 
@@ -99,17 +101,20 @@ class SavedCompile:
         finally:
             _unmark_dynamic(marked)
         form = _Form(compiled, sizes, dynamic)
-        took = time.perf_counter() - start
-        if os.environ.get("LOCAL_RANK", "0") != "0":  # one copy per machine, not one per process
-            logger.info("%s: compiled in %.1f s, not saved (LOCAL_RANK 0 saves)", self.name, took)
-            return form
-        try:
-            _save(self.directory, form, data)
-        except OSError as error:
-            logger.warning("%s: compiled in %.1f s, not saved to %s (%s)", self.name, took, self.directory, error)
-        else:
-            logger.info("%s: compiled in %.1f s, saved", self.name, took)
+        logger.info("%s: compiled in %.1f s, %s", self.name, time.perf_counter() - start, self._save(form, data))
         return form
+
+    def _save(self, form: _Form, data: bytes) -> str:
+        """Write `form` (serialized as `data`) where this process is the machine's first (`LOCAL_RANK` 0: one copy
+        per machine, not one per process); returns what happened, for the log."""
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            return "not saved (LOCAL_RANK 0 saves)"
+        try:
+            _write(self.directory, form, data)
+        except OSError as error:
+            logger.warning("%s: not saved to %s (%s)", self.name, self.directory, error)
+            return "not saved"
+        return "saved"
 
     def load(self) -> list[_Form]:
         """The saved forms, loaded on the first call (or earlier, where the caller sets things up: a form's
@@ -214,7 +219,7 @@ def _describe(dynamic: dict[int, list[int]]) -> str:
     return f" (dynamic sizes: {dynamic})" if dynamic else ""
 
 
-def _save(directory: Path, form: _Form, data: bytes) -> None:
+def _write(directory: Path, form: _Form, data: bytes) -> None:
     """Write the form atomically, under a name of its own (ranks and runs compile side by side)."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{uuid.uuid4().hex}.form"
