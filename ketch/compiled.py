@@ -237,7 +237,8 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
     for path in sorted(directory.glob("*.form"), key=_age):
         try:
             saved = pickle.loads(path.read_bytes())
-            compiled = torch.compiler.load_compiled_function(io.BytesIO(saved["compiled"]), f_globals=f_globals)
+            with _no_compile_workers():
+                compiled = torch.compiler.load_compiled_function(io.BytesIO(saved["compiled"]), f_globals=f_globals)
         except Exception as error:  # another GPU's, or unreadable: what it served is compiled again
             logger.info("%s: not using %s (%s: %s)", directory.name, path.name, type(error).__name__, error)
             continue
@@ -247,6 +248,13 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
             continue
         forms.append(_Form(compiled, saved["sizes"], saved["dynamic"]))
     return forms
+
+
+def _no_compile_workers():
+    """Inductor's settings while a form loads: one compile thread. Loading a form's Triton kernels otherwise
+    starts inductor's pool of compile workers (a process per core, each importing torch) that a loaded form
+    never uses; on one H200 they slowed the run's first steps by about a tenth and its exit by 6 s."""
+    return torch._inductor.config.patch(compile_threads=1)
 
 
 def _age(path: Path) -> float:

@@ -75,6 +75,26 @@ def test_a_new_size_adds_one_form_in_which_that_size_is_dynamic(tmp_path, monkey
     assert len(compiled.forms) == 4
 
 
+def test_loading_forms_starts_no_compile_workers(tmp_path, monkeypatch):
+    """Forms load with inductor's compile threads at 1 (its pool of compile workers is not started for kernels
+    that are already compiled); the setting is restored after loading."""
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
+    w1, w2 = weights()
+    SavedCompile(mlp, "mlp", backend=BACKEND)(torch.randn(4, 16), w1, w2, 2.0)
+    threads = []
+    load = torch.compiler.load_compiled_function
+
+    def spy(*args, **kwargs):
+        threads.append(torch._inductor.config.compile_threads)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "load_compiled_function", spy)
+    with torch._inductor.config.patch(compile_threads=8):
+        assert len(SavedCompile(mlp, "mlp", backend=BACKEND).load()) == 1
+        assert threads == [1]
+        assert torch._inductor.config.compile_threads == 8
+
+
 def test_only_the_first_process_of_a_machine_saves_its_forms(tmp_path, monkeypatch):
     """Ranks compile the same forms: with `LOCAL_RANK` 1 the form serves the process but is not written."""
     monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
