@@ -6,12 +6,23 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+CACHE_FIX = "set KETCH_CACHE_DIR to a folder you can write (ketch keeps built-in data, models and compiled code there)"
+
+
+def cache_root() -> Path:
+    """`$KETCH_CACHE_DIR`, else `$XDG_CACHE_HOME/ketch`, else `~/.cache/ketch` (not created)."""
+    root = os.environ.get("KETCH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ketch"
+    return Path(root)
+
 
 def cache_dir() -> Path:
-    """`$KETCH_CACHE_DIR`, else `$XDG_CACHE_HOME/ketch`, else `~/.cache/ketch` (created on demand)."""
-    root = os.environ.get("KETCH_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ketch"
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    """`cache_root()`, created on demand."""
+    path = cache_root()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = error.strerror or error
+        raise OSError(f"cannot create the ketch cache directory {path} ({reason}); {CACHE_FIX}") from error
     return path
 
 

@@ -144,6 +144,16 @@ def saved_compile(fn, name: str, dynamic: bool | None = None, backend="inductor"
     return _shared(fn, name, dynamic, backend, cache_dir())
 
 
+def saved_forms(root: Path) -> dict[str, tuple[int, int]]:
+    """The forms saved under the cache directory `root`, by the torch version that saved them: (count, bytes)."""
+    usage = {}
+    for version in sorted(p for p in (root / "compiled").glob("*") if p.is_dir()):
+        files = list(version.rglob("*.form"))
+        if files:
+            usage[version.name] = (len(files), sum(f.stat().st_size for f in files))
+    return usage
+
+
 @cache
 def _shared(fn, name: str, dynamic: bool | None, backend, directory: Path) -> SavedCompile:
     return SavedCompile(fn, name, dynamic, backend)

@@ -1,9 +1,10 @@
 """`ketch doctor`: checks what a run needs before it spends GPU hours, and prints one table of the findings.
 
-Environment rows (Python, torch and the GPUs, transformers, Ray, vLLM, `/dev/shm`, disk, write access,
-trackers) are judged for the given config; config rows check that the model loads, the data files read with
-the columns the run uses, and the batch sizes divide. A row is `ok`, `warn` (worth a look) or `FAIL` (the run
-cannot work; its `fix` says what to do); any FAIL makes the command exit 1.
+Environment rows (Python, torch and the GPUs, transformers, Ray, vLLM, `/dev/shm`, disk, write access, the
+cache directory and the compiled code saved there, trackers) are judged for the given config; config rows check
+that the model loads, the data files read with the columns the run uses, and the batch sizes divide. A row is
+`ok`, `warn` (worth a look) or `FAIL` (the run cannot work; its `fix` says what to do); any FAIL makes the
+command exit 1.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
+from ketch.cache import cache_root
 from ketch.config import BatchError, ConfigError, KetchConfig, load_config
-from ketch.preflight import Check, existing_parent, output_dir_row, vllm_row
+from ketch.preflight import Check, cache_row, existing_parent, output_dir_row, vllm_row
 from ketch.tracking_backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
 MIN_FREE_DISK_GIB = 10
 GIB = 1024**3
+MIB = 1024**2
 
 
 def run_checks(config_path: str | None = None, overrides: list[str] | None = None) -> list[Check]:
@@ -42,8 +45,11 @@ def run_checks(config_path: str | None = None, overrides: list[str] | None = Non
     env = config or load_config()
     rows = [_python(), *_torch(env), _package("transformers"), *_ray(env), vllm_row(env), _shm(env)]
     out_dir = Path(env.trainer.default_local_dir) / env.trainer.experiment_name
-    rows += [_disk(out_dir), output_dir_row(out_dir), _trackers(env), config_row]
-    if config is not None:
+    cache = _cache()
+    rows += [_disk(out_dir), output_dir_row(out_dir), cache, _trackers(env), config_row]
+    if config is not None and cache.status == "FAIL":  # built-in models and data are made in the cache
+        rows.append(Check("model, data", "warn", "not checked: the cache directory cannot be written", "fix it first"))
+    elif config is not None:
         rows += _config_rows(config)
     return rows
 
@@ -176,6 +182,27 @@ def _disk(out_dir: Path) -> Check:
         )
         return Check("disk", "warn", f"{detail} (under {MIN_FREE_DISK_GIB} GiB)", fix)
     return Check("disk", "ok", detail)
+
+
+def _cache() -> Check:
+    """The cache directory can be written; the compiled code saved there for this torch (which later runs load
+    instead of compiling) and for other torch versions (which no run of this torch loads: space to free)."""
+    import torch
+
+    from ketch.compiled import saved_forms
+
+    row = cache_row()
+    if row.status == "FAIL":
+        return row
+    root = cache_root()
+    forms = saved_forms(root)
+    count, size = forms.pop(torch.__version__, (0, 0))
+    detail = f"{row.detail}; compiled code for torch {torch.__version__}: {count} forms, {size / MIB:.1f} MiB"
+    if not forms:
+        return Check("cache", "ok", detail)
+    others = ", ".join(f"{version} ({n} forms, {b / MIB:.1f} MiB)" for version, (n, b) in forms.items())
+    fix = "delete " + " and ".join(str(root / "compiled" / version) for version in forms) + " to free the space"
+    return Check("cache", "warn", f"{detail}; saved by other torch versions, not loaded by this one: {others}", fix)
 
 
 def _trackers(config: KetchConfig) -> Check:

@@ -1,5 +1,5 @@
-"""What a run checks before anything loads, shared with `ketch doctor`: the output directory can be written, and
-vLLM is installed in a supported version when `rollout.name=vllm`.
+"""What a run checks before anything loads, shared with `ketch doctor`: the output directory and the ketch cache
+directory can be written, and vLLM is installed in a supported version when `rollout.name=vllm`.
 
 Each check is a `Check` row (the rows of the `ketch doctor` table); `preflight` turns the failed ones into one
 `StartupError` that the trainers raise first thing, so a run that cannot work stops before any model loads and
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ketch.cache import CACHE_FIX, cache_root
 from ketch.config import KetchConfig
 from ketch.rollout import vllm_adapter
 
@@ -26,13 +27,15 @@ class Check:
 
 
 class StartupError(RuntimeError):
-    """A run cannot start here (an unwritable output directory, a missing vLLM); the message says what to do."""
+    """A run cannot start here (an unwritable output or cache directory, a missing vLLM); the message says what
+    to do."""
 
 
 def preflight(config: KetchConfig) -> None:
     """Raise `StartupError` listing every check a run of `config` cannot start without that fails here."""
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
-    failed = [f"{r.detail}: {r.fix}" for r in (output_dir_row(run_dir), vllm_row(config)) if r.status == "FAIL"]
+    rows = (output_dir_row(run_dir), cache_row(), vllm_row(config))
+    failed = [f"{r.detail}: {r.fix}" for r in rows if r.status == "FAIL"]
     if failed:
         raise StartupError("cannot start the run:\n  - " + "\n  - ".join(failed))
 
@@ -56,6 +59,19 @@ def output_dir_row(out_dir: Path) -> Check:
         return Check("output dir", "FAIL", f"cannot write in {where} ({err.strerror or err})", fix)
     state = "exists" if out_dir.exists() else f"will be created in {where}"
     return Check("output dir", "ok", f"{out_dir} ({state}), writable")
+
+
+def cache_row() -> Check:
+    """Whether files can be created in the ketch cache directory (or, before it exists, where it would be)."""
+    root = cache_root()
+    where = existing_parent(root)
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as err:
+        detail = f"cannot write the ketch cache directory {root} ({err.strerror or err})"
+        return Check("cache", "FAIL", detail, CACHE_FIX)
+    return Check("cache", "ok", f"{root}, writable")
 
 
 def vllm_row(config: KetchConfig) -> Check:

@@ -41,6 +41,7 @@ def test_default_config_passes_on_this_machine(capsys):
         "/dev/shm",
         "disk",
         "output dir",
+        "cache",
         "trackers",
         "config",
         "model",
@@ -48,6 +49,31 @@ def test_default_config_passes_on_this_machine(capsys):
         "data.val_files",
         "batch sizes",
     ]
+
+
+def test_the_cache_row_counts_the_compiled_forms_and_names_those_of_other_torch_versions(tmp_path, monkeypatch):
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
+    forms = {torch.__version__: [1024**2, 2 * 1024**2, 1024**2 // 2], "2.0.0": [3 * 1024**2]}
+    for version, sizes in forms.items():
+        for i, size in enumerate(sizes):
+            path = tmp_path / "compiled" / version / "inductor" / f"fn{i % 2}" / f"{i}.form"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(bytes(size))
+    row = rows_by_name()["cache"]
+    assert row.status == "warn"
+    assert row.detail == (
+        f"{tmp_path}, writable; compiled code for torch {torch.__version__}: 3 forms, 3.5 MiB; "
+        "saved by other torch versions, not loaded by this one: 2.0.0 (1 forms, 3.0 MiB)"
+    )
+    assert row.fix == f"delete {tmp_path / 'compiled' / '2.0.0'} to free the space"
+
+
+def test_an_unwritable_cache_fails_and_leaves_the_model_and_data_unchecked(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    rows = rows_by_name()
+    assert rows["cache"].status == "FAIL" and "KETCH_CACHE_DIR" in rows["cache"].fix
+    assert rows["model, data"].status == "warn" and "model" not in rows
 
 
 def test_an_unreachable_ray_cluster_fails_fast():

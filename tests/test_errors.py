@@ -126,6 +126,19 @@ def test_an_unwritable_output_dir_stops_the_run_before_any_model_loads(capsys, t
     assert "set trainer.default_local_dir to a directory you can write" in message
 
 
+def test_an_unwritable_cache_dir_stops_the_run_before_anything_is_built(capsys, monkeypatch, tmp_path):
+    """The default run builds its data and model in the cache directory: one that cannot be written is named."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(blocker / "cache"))
+    message = cli_error(capsys, "train", f"trainer.default_local_dir={tmp_path / 'runs'}")
+    assert message == (
+        f"cannot start the run:\n  - cannot write the ketch cache directory {blocker / 'cache'} (Not a directory): "
+        "set KETCH_CACHE_DIR to a folder you can write (ketch keeps built-in data, models and compiled code there)\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def test_rollout_vllm_without_vllm_stops_the_run_before_any_model_loads(capsys, monkeypatch, tmp_path):
     """Everything the run needs is imported already; the directories that hold vLLM's metadata leave sys.path."""
     monkeypatch.setattr(sys, "path", [p for p in sys.path if not any(Path(p).glob("vllm*.dist-info"))])

@@ -53,7 +53,7 @@ class PPOTrainer(TrainingLoop):
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
-        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
+        preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)

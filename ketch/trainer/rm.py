@@ -37,7 +37,7 @@ class RMTrainer:
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
-        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
+        preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         tokenizer = load_tokenizer(

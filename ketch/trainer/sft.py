@@ -36,7 +36,7 @@ class SFTTrainer:
 
     def __init__(self, config: KetchConfig, model_path: str | None = None):
         self.config = c = config
-        preflight(c)  # an unwritable output directory or a missing vLLM stops the run before any model loads
+        preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         if model_path is None and c.model.path.startswith("builtin:"):
             raise ValueError(
