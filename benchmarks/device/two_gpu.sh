@@ -5,8 +5,9 @@
 #              PP=2; the tiny TP=2 `ketch train` run), then 3 GRPO steps with TP=2 (the grad_norm check)
 #   grpo30     (~420 s) 30 GRPO steps, FSDP on one GPU against Megatron TP=2, with the greedy export check
 #   7b         (~500 s) the Qwen2.5-7B shape, Megatron TP=2 against FSDP2 on two GPUs, recomputation on
-#   scaling    (~450 s) ketch GRPO on one GPU and on two (16 and 32 prompts), the weight hand-off at 1 and 2
-#              processes, the 7B-shaped hf rollout at TP=1 and TP=2
+#   scaling    (~520 s) ketch GRPO on one GPU (16 prompts, and 8: one GPU's half of the strong-scaling run) and
+#              on two (16 and 32 prompts), the weight hand-off at 1 and 2 processes, the 7B-shaped hf rollout at
+#              TP=1 and TP=2
 # Results (JSON) go to $OUT, logs to $OUT/logs.tgz. Set-up first (megatron-core from .whl/, Ray from .carry/):
 #   mkdir -p /tmp/site && tar xJf .carry/ray-py312.txz -C /tmp/site && python3 -m pip install -q --no-index \
 #     --no-deps --no-compile --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD
@@ -33,6 +34,8 @@ grpo30)
   done ;;
 scaling)
   CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu 110 $step --out "$OUT/${date}_h200x2_ketch_grpo_1gpu.json"
+  # half the workload on one GPU: what each GPU of the 16-prompt two-GPU run has to do, without communication
+  CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu_8 110 $step --prompts 8 --out "$OUT/${date}_h200x2_ketch_grpo_1gpu_8prompts.json"
   stage grpo_2gpu_16 120 $step --set trainer.n_gpus_per_node=2 --out "$OUT/${date}_h200x2_ketch_grpo_2gpu_16prompts.json"
   stage grpo_2gpu_32 120 $step --prompts 32 --set trainer.n_gpus_per_node=2 \
     --out "$OUT/${date}_h200x2_ketch_grpo_2gpu_32prompts.json"
