@@ -276,3 +276,60 @@ def test_a_non_finite_gradient_skips_the_step_and_names_the_parameters(tmp_path)
         "0.decoder.layers.0.self_attention.linear_proj.weight, 0.decoder.layers.0.self_attention.linear_qkv.weight "
         "and 5 more"
     ]
+
+
+def _zero_rank(rank: int, sharded: bool, model_dir: str, port: int, out: str) -> None:
+    """Two data-parallel ranks: an update, a checkpoint, a second update, then the checkpoint again and the
+    second update once more; the run without sharding then tries to load the sharded run's checkpoint."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    _run_megatron_on_cpu()
+    from transformers import AutoConfig
+
+    from ketch.engine.megatron.engine import MegatronEngine, hf_reader
+    from ketch.engine.optim import optimizer_state
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    megatron = MegatronConfig(use_distributed_optimizer=sharded)
+    optim = OptimConfig(lr=1e-2, lr_scheduler="cosine")  # each update at its own learning rate
+    engine = MegatronEngine(hf_config, hf_reader(model_dir), megatron, torch.device("cpu"), optim, 4)
+    mine = batch(hf_config.vocab_size).chunk(2)[rank]
+    engine.train_mini_batch(mine.split(1), policy_loss)
+    ckpt = Path(out) / f"ckpt-{sharded}"
+    engine.save_checkpoint(ckpt, {})
+    second = engine.train_mini_batch(mine.split(1), policy_loss), engine.infer(mine, 2)["log_prob"]
+    engine.load_checkpoint(ckpt)
+    again = engine.train_mini_batch(mine.split(1), policy_loss), engine.infer(mine, 2)["log_prob"]
+    refused = ""
+    if not sharded:
+        try:
+            engine.load_checkpoint(Path(out) / "ckpt-True")
+        except ValueError as error:
+            refused = str(error)
+    shares = len(optimizer_state(engine.optimizer)["state"]), len(engine.params)
+    weights = dict(engine.full_parameters(dtype=torch.float32))
+    torch.save((second, again, shares, weights, refused), f"{out}/zero-{sharded}-{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_the_distributed_optimizer_splits_adamw_over_data_ranks_and_trains_the_same(tmp_path):
+    """`use_distributed_optimizer` over two data-parallel ranks: each rank holds the moments of part of the
+    parameters, the two updates give the weights of the unsharded optimizer exactly, and a checkpoint resumes
+    the second update exactly; an unsharded run refuses the sharded checkpoint, naming both grids."""
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "max_positions": 64}
+    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)
+    for sharded, port in ((True, 29625), (False, 29626)):
+        mp.start_processes(_zero_rank, args=(sharded, str(model_dir), port, str(tmp_path)), nprocs=2)
+    runs = {s: [torch.load(tmp_path / f"zero-{s}-{r}.pt", weights_only=False) for r in (0, 1)] for s in (True, False)}
+    for rank in (0, 1):
+        (metrics, log_prob), (metrics_again, log_prob_again), _, weights, _ = runs[True][rank]
+        assert metrics == metrics_again and torch.equal(log_prob, log_prob_again)
+        plain = runs[False][rank]
+        assert metrics == plain[0][0] and torch.equal(log_prob, plain[0][1])
+        assert weights.keys() == plain[3].keys() and all(torch.equal(weights[k], plain[3][k]) for k in weights)
+    (_, total), (shard0, _), (shard1, _) = runs[False][0][2], runs[True][0][2], runs[True][1][2]
+    assert runs[False][1][2] == (total, total) and shard0 + shard1 == total and 0 < shard0 < total
+    refused = runs[False][0][4]
+    assert refused.startswith(f"checkpoint {tmp_path / 'ckpt-True'} was written on the grid")
+    assert "'distributed_optimizer': True" in refused and "'distributed_optimizer': False" in refused

@@ -149,6 +149,10 @@ class MegatronConfig:
     sequence_parallel: bool = False
     """Split the activations of norms and dropout over the sequence within a tensor-parallel group (Korthikanti
     et al. 2022): less activation memory. Needs tensor_model_parallel_size > 1."""
+    use_distributed_optimizer: bool = False
+    """Split AdamW's state over the data-parallel ranks (ZeRO stage 1, Rajbhandari et al. 2020): each keeps the
+    moments of its share of the parameters (8 bytes per parameter, divided by the data-parallel size), steps them
+    and broadcasts them. Checkpoints then hold each rank's share and resume on the same grid."""
 
     @property
     def model_parallel_size(self) -> int:

@@ -6,15 +6,43 @@ import math
 from collections import defaultdict
 
 import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ketch.config.schema import OptimConfig
 
 
-def build_optimizer(params, config: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over `params` (fused kernels on the local shards on GPU: `ShardedFusedAdamW`)."""
+def build_optimizer(params, config: OptimConfig, device: torch.device, shard_group=None) -> torch.optim.Optimizer:
+    """AdamW over `params` (fused kernels on the local shards on GPU: `ShardedFusedAdamW`). With `shard_group`
+    (a process group of ranks that hold the same parameters), its state is split over those ranks (ZeRO stage 1,
+    torch's `ZeroRedundancyOptimizer`): each rank keeps and steps the moments of its share of the parameters,
+    then broadcasts its share to the others."""
     kind = ShardedFusedAdamW if device.type == "cuda" else torch.optim.AdamW
-    return kind(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    settings = {"lr": config.lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay}
+    if shard_group is None:
+        return kind(params, **settings)
+    return ZeroRedundancyOptimizer(params, optimizer_class=kind, process_group=shard_group, **settings)
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """What this rank checkpoints of `optimizer`: the whole state, or a ZeRO optimizer's own share with the
+    settings of the optimizer's groups (the share's are those of its last step; the schedule has moved on)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    state = optimizer.optim.state_dict()
+    for share, group in zip(state["param_groups"], optimizer.param_groups, strict=True):
+        share.update({k: v for k, v in group.items() if k != "params"})
+    return state
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore what `optimizer_state` gave (a ZeRO optimizer: on the same ranks, so the same shares)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.load_state_dict(state)
+        return
+    optimizer.optim.load_state_dict(state)
+    for group, share in zip(optimizer.param_groups, state["param_groups"], strict=True):
+        group.update({k: v for k, v in share.items() if k != "params"})
 
 
 class ShardedFusedAdamW(torch.optim.AdamW):

@@ -25,6 +25,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from safetensors import safe_open
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ketch.config.schema import MegatronConfig, OptimConfig
 from ketch.engine.checkpoint import rng_state, set_rng_state
@@ -41,7 +42,7 @@ from ketch.engine.megatron.weights import (
     unshard,
 )
 from ketch.engine.micro import split_micro_batches
-from ketch.engine.optim import build_optimizer, build_scheduler
+from ketch.engine.optim import build_optimizer, build_scheduler, load_optimizer_state, optimizer_state
 from ketch.protocol import DataProto
 
 logger = logging.getLogger("ketch.engine")
@@ -127,7 +128,10 @@ class MegatronEngine:
                 p.requires_grad_(False)
             self.optimizer = self.scheduler = None
         else:
-            self.optimizer = build_optimizer(self.params, optim, device)
+            shard = megatron.use_distributed_optimizer and mpu.get_data_parallel_world_size() > 1
+            self.optimizer = build_optimizer(
+                self.params, optim, device, mpu.get_data_parallel_group() if shard else None
+            )
             self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
 
     @property
@@ -398,27 +402,32 @@ class MegatronEngine:
         directory.mkdir(parents=True, exist_ok=True)
         state = {
             "chunks": [chunk.state_dict() for chunk in self.chunks],
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "optimizer": optimizer_state(self.optimizer) if self.optimizer else None,
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "rng": rng_state() | {"megatron": tensor_parallel.get_cuda_rng_tracker().get_states()},
             **extra,
         }
         torch.save(state, directory / f"megatron_rank{dist.get_rank()}.pt")
         if dist.get_rank() == 0:
-            manifest = {"format": "megatron", "world_size": dist.get_world_size(), **vars(self.parallel)}
+            manifest = {"format": "megatron", **self._grid()}
             (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    def _grid(self) -> dict[str, Any]:
+        """What a checkpoint's files depend on: the ranks, the model parallelism, the optimizer's sharding."""
+        sharded = isinstance(self.optimizer, ZeroRedundancyOptimizer)
+        return {"world_size": dist.get_world_size(), **vars(self.parallel), "distributed_optimizer": sharded}
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any]:
         """Restore what `save_checkpoint` wrote (same grid only); returns the extra entries."""
-        manifest = json.loads((directory / "manifest.json").read_text())
-        here = {"world_size": dist.get_world_size(), **vars(self.parallel)}
+        manifest = {"distributed_optimizer": False} | json.loads((directory / "manifest.json").read_text())
+        here = self._grid()
         if {k: manifest.get(k) for k in here} != here:
             raise ValueError(f"checkpoint {directory} was written on the grid {manifest}; this run is {here}")
         state = torch.load(directory / f"megatron_rank{dist.get_rank()}.pt", weights_only=False, map_location="cpu")
         for chunk, chunk_state in zip(self.chunks, state.pop("chunks"), strict=True):
             chunk.load_state_dict(chunk_state)
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(state.pop("optimizer"))
+            load_optimizer_state(self.optimizer, state.pop("optimizer"))
             self.scheduler.load_state_dict(state.pop("scheduler"))
         rng = state.pop("rng")
         tensor_parallel.get_cuda_rng_tracker().set_states(rng.pop("megatron"))
