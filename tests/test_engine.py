@@ -120,6 +120,25 @@ def test_token_log_probs_without_entropy_differentiate_the_log_probs_only():
     assert empty.shape == (0,) and empty.requires_grad  # a micro-batch without response tokens still backpropagates
 
 
+def test_load_kernels_loads_the_two_saved_kernels_on_cuda_only(monkeypatch):
+    """On CUDA the two fused kernels are saved compiled functions, whose forms `TrainEngine` loads when it is
+    set up (not in the first update); on the CPU they are plain functions and nothing loads."""
+    import ketch.engine.log_probs as log_probs
+
+    class Kernel:
+        loads = 0
+
+        def load(self):
+            self.loads += 1
+
+    kernels = (Kernel(), Kernel())
+    monkeypatch.setattr(log_probs, "_kernels", {"cuda": kernels}.__getitem__)
+    log_probs.load_kernels(torch.device("cuda", 0))
+    assert [k.loads for k in kernels] == [1, 1]
+    log_probs.load_kernels(CPU)
+    assert [k.loads for k in kernels] == [1, 1]
+
+
 def test_a_compiling_engine_sends_every_sharded_block_through_one_saved_function(tiny_model_dir, tmp_path, monkeypatch):
     """`compile=True` compiles the blocks before sharding (FSDP gives the blocks a class of its own, and
     `transformer_blocks` finds them by their class's name) and loads the saved forms after it (their guards

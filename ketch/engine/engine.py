@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from ketch.compiled import SavedCompile, saved_compile
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
+from ketch.engine.log_probs import load_kernels
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler
 from ketch.protocol import DataProto
@@ -125,6 +126,7 @@ class TrainEngine:
         self.module = shard(module, device, param_dtype)
         if compiled is not None:
             compiled.load()  # after sharding: the saved guards name FSDP's class of the blocks
+        load_kernels(device)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.optim_config = optim
         if optim is None:

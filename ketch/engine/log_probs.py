@@ -72,6 +72,13 @@ def _kernels(device_type: str):
     return statistics, logit_grad
 
 
+def load_kernels(device: torch.device) -> None:
+    """Load the kernels' saved forms now (where an engine is set up) rather than inside the first update."""
+    if device.type == "cuda":
+        for kernel in _kernels("cuda"):
+            kernel.load()
+
+
 def _chunks(tokens: int, chunk: int) -> list[slice]:
     return [slice(i, i + chunk) for i in range(0, tokens, chunk)]
 
