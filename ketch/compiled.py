@@ -263,7 +263,8 @@ def _load_forms(directory: Path, f_globals: dict) -> list[_Form]:
 def _no_compile_workers():
     """Inductor's settings while a form loads: one compile thread. Loading a form's Triton kernels otherwise
     starts inductor's pool of compile workers (a process per core, each importing torch) that a loaded form
-    never uses; on one H200 they slowed the run's first steps by about a tenth and its exit by 6 s."""
+    never uses; on one H200 machine they slowed the run's first steps by about a tenth and the whole process
+    by 5 to 8 s."""
     return torch._inductor.config.patch(compile_threads=1)
 
 
