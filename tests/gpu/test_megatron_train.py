@@ -1,5 +1,6 @@
-"""`ketch train` with `actor.strategy=megatron` (TP=2 over two GPUs, Ray): GRPO steps run, the metrics are
-finite, the checkpoint and the HF export are written, and the export loads in transformers with trained weights."""
+"""`ketch train` with `actor.strategy=megatron` over two GPUs (Ray; TP=2, or two data-parallel ranks with the
+distributed optimizer): GRPO steps run, the metrics are finite, the checkpoint and the HF export are written, and
+the export loads in transformers with trained weights."""
 
 from __future__ import annotations
 
@@ -14,7 +15,15 @@ pytest.importorskip("ray", reason="ray is not installed")
 
 
 @pytest.mark.gpus(2)
-def test_grpo_with_tensor_parallel_actor_trains_and_exports(tiny_model_dir, task_files, tmp_path):
+@pytest.mark.parametrize(
+    "grid",
+    [
+        ["actor.megatron.tensor_model_parallel_size=2"],
+        ["actor.megatron.use_distributed_optimizer=true"],  # two data-parallel ranks, AdamW split between them
+    ],
+    ids=["tp2", "dp2-distributed-optimizer"],
+)
+def test_grpo_with_a_megatron_actor_trains_and_exports(tiny_model_dir, task_files, tmp_path, grid):
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +47,7 @@ def test_grpo_with_tensor_parallel_actor_trains_and_exports(tiny_model_dir, task
             "rollout.hf_decoding=generate",
             "algorithm.adv_estimator=grpo",
             "actor.strategy=megatron",
-            "actor.megatron.tensor_model_parallel_size=2",
+            *grid,
             "actor.ppo_micro_batch_size_per_device=4",
             "trainer.total_steps=3",
             "trainer.val_before_train=false",
