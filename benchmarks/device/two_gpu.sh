@@ -1,8 +1,9 @@
 #!/bin/bash
 # Every measurement that waits for the two-GPU machine (nvidia-h200-x2), in stages that each fit one device
 # command (at most 600 s); run them in this order, one command each:
-#   megatron   (~350 s) tests/gpu (first update: FSDP 1 GPU against Megatron TP=1, TP=2, TP=2+SP+recompute,
-#              PP=2; the tiny TP=2 `ketch train` run), then 3 GRPO steps with TP=2 (the grad_norm check)
+#   megatron   (~400 s) tests/gpu (first update: FSDP 1 GPU against Megatron TP=1, TP=2, TP=2+SP+recompute,
+#              PP=2; tiny `ketch train` runs with TP=2 and with two data ranks and the distributed optimizer),
+#              then 3 GRPO steps with TP=2 (the grad_norm check)
 #   grpo30     (~420 s) 30 GRPO steps, FSDP on one GPU against Megatron TP=2, with the greedy export check
 #   7b         (~500 s) the Qwen2.5-7B shape, Megatron TP=2 against FSDP2 on two GPUs, recomputation on
 #   scaling    (~520 s) ketch GRPO on one GPU (16 prompts, and 8: one GPU's half of the strong-scaling run) and
