@@ -1,15 +1,16 @@
 #!/bin/bash
 # Every measurement that waits for the two-GPU machine (nvidia-h200-x2), in stages that each fit one device
-# command (at most 600 s); run them in this order, one command each:
-#   megatron   (~400 s) tests/gpu (first update: FSDP 1 GPU against Megatron TP=1, TP=2, TP=2+SP+recompute,
-#              PP=2; tiny `ketch train` runs with TP=2 and with two data ranks and the distributed optimizer),
-#              then 3 GRPO steps with TP=2 (the grad_norm check)
-#   grpo30     (~420 s) 30 GRPO steps, FSDP on one GPU against Megatron TP=2, with the greedy export check
-#   7b         (~500 s) the Qwen2.5-7B shape, Megatron TP=2 against FSDP2 on two GPUs, recomputation on
-#   scaling    (~520 s) ketch GRPO on one GPU (16 prompts, and 8: one GPU's half of the strong-scaling run) and
-#              on two (16 and 32 prompts), the weight hand-off at 1 and 2 processes, the 7B-shaped hf rollout at
-#              TP=1 and TP=2
-# Results (JSON) go to $OUT, logs to $OUT/logs.tgz. Set-up first (megatron-core from .whl/, Ray from .carry/):
+# command (at most 600 s; the timeouts of a stage's steps add up to 560 s at most); run them in this order:
+#   megatron   tests/gpu (first update: FSDP 1 GPU against Megatron TP=1, TP=2, TP=2+SP+recompute, PP=2; tiny
+#              `ketch train` runs with TP=2 and with two data ranks and the distributed optimizer)
+#   grpo30     3 GRPO steps with Megatron TP=2 (the grad_norm check), then 30 GRPO steps, FSDP on one GPU
+#              against Megatron TP=2, with the greedy export check
+#   7b         the Qwen2.5-7B shape: Megatron TP=2 against FSDP2 on two GPUs (recomputation on), then the
+#              7B-shaped hf rollout at TP=1 and TP=2
+#   scaling    ketch GRPO on one GPU (16 prompts, and 8: one GPU's half of the strong-scaling run) and on two
+#              (16 and 32 prompts), then the weight hand-off at 1 and 2 processes
+# Results (JSON) go to $OUT, each stage's logs to $OUT/logs_STAGE.tgz. Set-up first (megatron-core from .whl/,
+# Ray from .carry/):
 #   mkdir -p /tmp/site && tar xJf .carry/ray-py312.txz -C /tmp/site && python3 -m pip install -q --no-index \
 #     --no-deps --no-compile --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD
 #   bash benchmarks/device/two_gpu.sh STAGE
@@ -22,26 +23,26 @@ mega="python3 benchmarks/megatron_vs_fsdp.py"
 step="python3 benchmarks/rl_step.py --variant grpo --warmup 1 --steps 3"
 case ${1:?stage: megatron, grpo30, 7b or scaling} in
 megatron)
-  KETCH_GPU_RESULTS=$OUT stage tests_gpu 330 python3 -m pytest tests/gpu -q -p no:cacheprovider
-  stage tp2_check 200 $mega --steps 3 --runs megatron_tp2 --no-greedy --set actor.use_dynamic_bsz=false \
-    --out "$OUT/${date}_h200x2_megatron_tp2_grad_norm_check.json" ;;
+  KETCH_GPU_RESULTS=$OUT stage tests_gpu 560 python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
 grpo30)
-  stage grpo30 560 $mega --steps 30 --runs fsdp_1gpu megatron_tp2 --set actor.use_dynamic_bsz=false \
+  stage tp2_check 150 $mega --steps 3 --runs megatron_tp2 --no-greedy --set actor.use_dynamic_bsz=false \
+    --out "$OUT/${date}_h200x2_megatron_tp2_grad_norm_check.json"
+  stage grpo30 400 $mega --steps 30 --runs fsdp_1gpu megatron_tp2 --set actor.use_dynamic_bsz=false \
     --out "$OUT/${date}_h200x2_megatron_vs_fsdp_grpo30.json" ;;
 7b)
   for run in megatron_tp2 fsdp_2gpu; do
-    stage "7b_$run" 280 $mega --scale 7b --steps 4 --runs $run --no-greedy --set model.gradient_checkpointing=true \
+    stage "7b_$run" 230 $mega --scale 7b --steps 4 --runs $run --no-greedy --set model.gradient_checkpointing=true \
       --out "$OUT/${date}_h200x2_7b_$run.json"
-  done ;;
+  done
+  stage tp_rollout 100 python3 benchmarks/tp_rollout.py --tp 1 2 --out "$OUT/${date}_h200x2_tp_rollout_7b_static.json" ;;
 scaling)
-  CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu 110 $step --out "$OUT/${date}_h200x2_ketch_grpo_1gpu.json"
+  CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu 100 $step --out "$OUT/${date}_h200x2_ketch_grpo_1gpu.json"
   # half the workload on one GPU: what each GPU of the 16-prompt two-GPU run has to do, without communication
-  CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu_8 110 $step --prompts 8 --out "$OUT/${date}_h200x2_ketch_grpo_1gpu_8prompts.json"
+  CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu_8 90 $step --prompts 8 --out "$OUT/${date}_h200x2_ketch_grpo_1gpu_8prompts.json"
   stage grpo_2gpu_16 120 $step --set trainer.n_gpus_per_node=2 --out "$OUT/${date}_h200x2_ketch_grpo_2gpu_16prompts.json"
   stage grpo_2gpu_32 120 $step --prompts 32 --set trainer.n_gpus_per_node=2 \
     --out "$OUT/${date}_h200x2_ketch_grpo_2gpu_32prompts.json"
-  stage handoff 60 python3 benchmarks/weight_handoff.py --scale 0.5b --world 1 2 --out "$OUT/${date}_h200x2_weight_handoff.json"
-  stage tp_rollout 100 python3 benchmarks/tp_rollout.py --tp 1 2 --out "$OUT/${date}_h200x2_tp_rollout_7b_static.json" ;;
+  stage handoff 60 python3 benchmarks/weight_handoff.py --scale 0.5b --world 1 2 --out "$OUT/${date}_h200x2_weight_handoff.json" ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
