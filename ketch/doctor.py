@@ -216,13 +216,14 @@ def _trackers(config: KetchConfig) -> Check:
 
 
 def _config_rows(config: KetchConfig) -> list[Check]:
-    """The model, the data files and the batch sizes of `config` (`ketch/doctor_config.py`)."""
-    from ketch.doctor_config import batch_row, data_row, model_row
+    """The model, the data files, the batch sizes and the parallelism of `config` (`ketch/doctor_config.py`)."""
+    from ketch.doctor_config import batch_row, data_row, model_row, parallel_row
 
-    model, tokenizer = model_row(config)
+    model, tokenizer, model_config = model_row(config)
     train, train_set = data_row(config, "train_files", tokenizer)
     val, _ = data_row(config, "val_files", tokenizer)
-    return [model, train, val, batch_row(config, train_set)]
+    parallel = parallel_row(config, model_config)
+    return [model, train, val, batch_row(config, train_set), *([parallel] if parallel else [])]
 
 
 # ----------------------------------------------------------------- output

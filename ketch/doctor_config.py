@@ -1,5 +1,6 @@
-"""The config rows of `ketch doctor`: the model loads, the data files read with the columns the run uses, and the
-batch sizes work for this machine's world size. Built-in paths (`builtin:`) count as fine without building them."""
+"""The config rows of `ketch doctor`: the model loads, the data files read with the columns the run uses, the
+batch sizes work for this machine's world size, and model parallelism (Megatron, a tensor-parallel rollout) fits
+the model and this machine. Built-in paths (`builtin:`) count as fine without building them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ketch.config import BatchError, KetchConfig, derive_batch_plan
+from ketch.config import BatchError, ConfigError, KetchConfig, derive_batch_plan
+from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
 from ketch.data.loader import PromptLoader
@@ -21,27 +23,53 @@ from ketch.rewards.registry import scorer_for
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 
 
-def model_row(config: KetchConfig) -> tuple[Check, Any]:
-    """The model row and the tokenizer the run would use (None when it does not load)."""
+def model_row(config: KetchConfig) -> tuple[Check, Any, Any]:
+    """The model row, the tokenizer the run would use and the model's Hugging Face config (each None when it does
+    not load; the config also for the built-in model, which the first run builds)."""
     m = config.model
     if m.path == BUILTIN_MODEL:
-        return Check(
-            "model", "ok", "built-in tiny model (warmed up by the first run, then cached)"
-        ), build_char_tokenizer()
+        return (
+            Check("model", "ok", "built-in tiny model (warmed up by the first run, then cached)"),
+            build_char_tokenizer(),
+            None,
+        )
     fix = "set model.path to a Hugging Face model directory (config.json, weights, tokenizer), a .gguf file or a hub id"
     try:
         path = str(cached_gguf_model(m.path)) if is_gguf(m.path) else m.path  # converted once, as a run does
         model = load_model_config(path, m.trust_remote_code, m.override_config)
         tokenizer = load_tokenizer(m.tokenizer_path or path, m.trust_remote_code, path)
     except ModelLoadError as err:
-        return Check("model", "FAIL", str(err), fix), None
+        return Check("model", "FAIL", str(err), fix), None, None
     local = Path(path).expanduser()
     if local.is_dir() and not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
-        return Check("model", "FAIL", f"{m.path} has a config but no weights ({', '.join(WEIGHT_FILES)})", fix), None
+        detail = f"{m.path} has a config but no weights ({', '.join(WEIGHT_FILES)})"
+        return Check("model", "FAIL", detail, fix), None, None
     architecture = ", ".join(getattr(model, "architectures", None) or [model.model_type])
     layers, hidden = getattr(model, "num_hidden_layers", "?"), getattr(model, "hidden_size", "?")
     detail = f"{m.path}: {architecture}, {layers} layers, hidden size {hidden}, vocabulary {len(tokenizer)}"
-    return Check("model", "ok", detail), tokenizer
+    return Check("model", "ok", detail), tokenizer, model
+
+
+def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
+    """Megatron and tensor-parallel rollout sizes checked as a run checks them at start-up (megatron-core
+    installed, a GPU, sizes that divide the model's heads and layers); None when the run uses neither."""
+    roles = megatron_roles(config)
+    rollout_tp = config.rollout.tensor_parallel_size
+    if not roles and rollout_tp == 1:
+        return None
+    if model_config is None:
+        return Check("parallelism", "warn", "not checked: no model config (see the model row)", "")
+    try:
+        check_megatron_start(config, model_config, torch.cuda.is_available())
+        check_rollout_start(config, model_config)
+    except ConfigError as err:
+        problems = str(err).removeprefix("invalid configuration:\n  - ").replace("\n  - ", "; ")
+        return Check("parallelism", "FAIL", problems, "change the keys named in the detail")
+    grids = [
+        f"{name}: Megatron TP={m.tensor_model_parallel_size} x PP={m.pipeline_model_parallel_size}"
+        for name, m in roles.items()
+    ]
+    return Check("parallelism", "ok", "; ".join([*grids, f"rollout TP={rollout_tp}"]) + ": they fit the model")
 
 
 def data_row(config: KetchConfig, key: str, tokenizer) -> tuple[Check, RLHFDataset | None]:

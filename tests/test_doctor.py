@@ -124,6 +124,23 @@ def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
     assert rows["batch sizes"].detail.startswith("world size 1: 16 prompts x 2 = 32 sequences per step")
 
 
+def test_the_parallelism_row_checks_megatron_and_rollout_sizes_against_the_model(tiny_model_dir, task_files):
+    """As a run checks them at start-up: 3 tensor ranks for 4 query heads, 2 key/value heads and a vocabulary
+    of 100 (the GPUs row says that this machine has none); a tensor-parallel rollout of 2 fits the model (4 / 2
+    heads, MLP width 64)."""
+    data = [f"model.path={tiny_model_dir}", f"data.train_files=[{task_files['train']}]", "data.val_files=[]"]
+    megatron = ["actor.strategy=megatron", "actor.megatron.tensor_model_parallel_size=3", "trainer.device=cuda"]
+    row = rows_by_name(*data, *megatron, "trainer.n_gpus_per_node=3")["parallelism"]
+    assert row.status == "FAIL" and row.fix == "change the keys named in the detail"
+    assert row.detail == "; ".join(
+        f"actor.megatron.tensor_model_parallel_size=3 does not divide the model's {what}; pick a divisor of it"
+        for what in ("num_attention_heads=4", "num_key_value_heads=2", "vocab_size=100")
+    )
+    cpu = ["trainer.device=cpu", "trainer.n_cpu_workers=2"]
+    row = rows_by_name(*data, "rollout.tensor_parallel_size=2", *cpu)["parallelism"]
+    assert (row.status, row.detail) == ("ok", "rollout TP=2: they fit the model")
+
+
 def test_a_batch_larger_than_the_data_fails(tiny_model_dir, task_files):
     rows = rows_by_name(
         f"model.path={tiny_model_dir}",
