@@ -58,7 +58,8 @@ def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
     if not roles and rollout_tp == 1:
         return None
     if model_config is None:
-        return Check("parallelism", "warn", "not checked: no model config (see the model row)", "")
+        detail = "not checked: no model config (the built-in model is built by the first run; or see the model row)"
+        return Check("parallelism", "warn", detail, "")
     try:
         check_megatron_start(config, model_config, torch.cuda.is_available())
         check_rollout_start(config, model_config)
