@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
 
+from spawned import end_rank
+
 from ketch.config.schema import MegatronConfig, OptimConfig
 from ketch.data import build_char_tokenizer
 from ketch.models import save_tiny_model
@@ -116,7 +118,7 @@ def _rank(
     again = engine.infer(mine, None)["log_prob"]  # one micro-batch (the interleaved schedule gets a filler)
     result = (dp_rank, before, metrics, after, torch.equal(again, before["log_prob"]), restored)
     torch.save((*result, exported if rank == 0 else None), f"{out}/{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def reference(model_dir: Path) -> tuple[dict, float, float, torch.Tensor, dict]:
@@ -208,7 +210,7 @@ def _critic_rank(rank: int, world: int, megatron: MegatronConfig, model_dir: str
     metrics = engine.train_mini_batch(data.split(2), value_loss)
     exported = dict(engine.full_parameters())
     torch.save((values, metrics, exported), f"{out}/critic{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow
@@ -258,7 +260,7 @@ def _nan_rank(rank: int, model_dir: str, out: str) -> None:
 
     metrics = engine.train_mini_batch(batch(hf_config.vocab_size).split(2), nan_loss)
     torch.save((metrics["skipped_steps"], messages), f"{out}/nan.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow
@@ -309,7 +311,7 @@ def _zero_rank(rank: int, sharded: bool, model_dir: str, port: int, out: str) ->
     shares = len(optimizer_state(engine.optimizer)["state"]), len(engine.params)
     weights = dict(engine.full_parameters(dtype=torch.float32))
     torch.save((second, again, shares, weights, refused), f"{out}/zero-{sharded}-{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

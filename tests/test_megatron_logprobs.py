@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from spawned import end_rank
 
 from ketch.engine.megatron.logprobs import (
     chunked_vocab_parallel_log_probs,
@@ -78,7 +79,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     chunked_vocab_parallel_log_probs(hidden, labels.flatten(), weight_slice, 4 * rank, chunk=4)[0].sum().backward()
     outputs = (log_prob.detach(), entropy.detach(), mine.grad, chunked[0].detach(), states.grad, replicated.grad)
     torch.save(outputs, f"{out}/{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def _projection() -> tuple[torch.Tensor, torch.Tensor]:

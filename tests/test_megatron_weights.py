@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from spawned import end_rank
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
@@ -189,7 +190,7 @@ def _build_and_load(rank: int, tp: int, pp: int, port: int, out: str) -> None:
         chunk.load_state_dict(ours, strict=False)
         state = {k: v.clone() for k, v in chunk.state_dict().items() if not k.endswith("_extra_state")}
         torch.save((coord, state), f"{out}/{kind}{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

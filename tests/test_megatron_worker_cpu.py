@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
 
+from spawned import end_rank
 from test_megatron_engine_cpu import _run_megatron_on_cpu
 
 from ketch.config import derive_batch_plan, load_config
@@ -139,7 +140,7 @@ def _workers(rank: int, processes: int, models: dict[str, str], port: int, out: 
         layer_calls.clear()
         result = worker.update_actor(*calls[rank][0])
         torch.save((result, seen, len(layer_calls)), f"{out}/{run}{rank}.pt")
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from spawned import end_rank
 from transformers import Qwen2Config
 
 from ketch.config import ConfigError, load_config
@@ -40,7 +41,7 @@ def _decode_both(rank: int, port: int, path: str) -> None:
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     for decoding in ("generate", "static"):
         _compare(rank, path, decoding)
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def _compare(rank: int, path: str, decoding: str) -> None:

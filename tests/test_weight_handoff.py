@@ -9,6 +9,7 @@ import os
 
 import torch
 import torch.multiprocessing as mp
+from spawned import end_rank
 
 from ketch.config import load_config
 from ketch.data import build_char_tokenizer
@@ -47,7 +48,7 @@ def _hand_off(rank: int, world: int, port: int, model_dirs: dict[bool, str]) -> 
         # the engine's shards are untouched: its float32 master weights still come out whole
         for name, tensor in engine.full_parameters():
             assert tensor.dtype == torch.float32 and torch.equal(tensor, master[name]), name
-    torch.distributed.destroy_process_group()
+    end_rank()
 
 
 def test_hand_off_gives_the_rollout_the_full_weights_exactly(tmp_path):
