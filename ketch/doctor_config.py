@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ketch.config import BatchError, ConfigError, KetchConfig, derive_batch_plan
-from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
+from ketch.config import BatchError, KetchConfig, derive_batch_plan
+from ketch.config.parallel import megatron_roles, megatron_start_problems, rollout_start_problems
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
 from ketch.data.loader import PromptLoader
@@ -60,12 +60,10 @@ def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
     if model_config is None:
         detail = "not checked: no model config (the built-in model is built by the first run; or see the model row)"
         return Check("parallelism", "warn", detail, "")
-    try:
-        check_megatron_start(config, model_config, torch.cuda.is_available())
-        check_rollout_start(config, model_config)
-    except ConfigError as err:
-        problems = str(err).removeprefix("invalid configuration:\n  - ").replace("\n  - ", "; ")
-        return Check("parallelism", "FAIL", problems, "change the keys named in the detail")
+    problems = megatron_start_problems(config, model_config, torch.cuda.is_available())
+    problems += rollout_start_problems(config, model_config)
+    if problems:
+        return Check("parallelism", "FAIL", "; ".join(problems), "change the keys named in the detail")
     grids = [
         f"{name}: Megatron TP={m.tensor_model_parallel_size} x PP={m.pipeline_model_parallel_size}"
         for name, m in roles.items()

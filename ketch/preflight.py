@@ -48,15 +48,23 @@ def existing_parent(path: Path) -> Path:
     return path
 
 
+def _write_error(path: Path) -> str | None:
+    """Why no file can be created in `path` (or, before it exists, in its nearest existing ancestor); None when
+    one can."""
+    try:
+        with tempfile.TemporaryFile(dir=existing_parent(path)):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def output_dir_row(out_dir: Path) -> Check:
     """Whether a file can be created in `out_dir` (or, before it exists, in its nearest existing ancestor)."""
     where = existing_parent(out_dir)
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as err:
+    if error := _write_error(out_dir):
         fix = "set trainer.default_local_dir to a directory you can write"
-        return Check("output dir", "FAIL", f"cannot write in {where} ({err.strerror or err})", fix)
+        return Check("output dir", "FAIL", f"cannot write in {where} ({error})", fix)
     state = "exists" if out_dir.exists() else f"will be created in {where}"
     return Check("output dir", "ok", f"{out_dir} ({state}), writable")
 
@@ -64,13 +72,8 @@ def output_dir_row(out_dir: Path) -> Check:
 def cache_row() -> Check:
     """Whether files can be created in the ketch cache directory (or, before it exists, where it would be)."""
     root = cache_root()
-    where = existing_parent(root)
-    try:
-        with tempfile.TemporaryFile(dir=where):
-            pass
-    except OSError as err:
-        detail = f"cannot write the ketch cache directory {root} ({err.strerror or err})"
-        return Check("cache", "FAIL", detail, CACHE_FIX)
+    if error := _write_error(root):
+        return Check("cache", "FAIL", f"cannot write the ketch cache directory {root} ({error})", CACHE_FIX)
     return Check("cache", "ok", f"{root}, writable")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ketch.config.errors import ConfigError
+from ketch.config.errors import raise_problems
 from ketch.config.schema import KetchConfig, MegatronConfig
 
 
@@ -72,10 +72,13 @@ def rollout_problems(config: KetchConfig) -> list[str]:
 def check_rollout_start(config: KetchConfig, model_config: Any) -> None:
     """Raise `ConfigError` when a tensor-parallel hf rollout cannot split `model_config` (the Hugging Face config
     of the policy); the trainers call it at start-up, before any worker starts."""
+    raise_problems(rollout_start_problems(config, model_config))
+
+
+def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
+    """What `check_rollout_start` raises, one line a problem."""
     r = config.rollout
-    problems = tensor_parallel_fit(r.tensor_parallel_size, model_config) if r.name == "hf" else []
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    return tensor_parallel_fit(r.tensor_parallel_size, model_config) if r.name == "hf" else []
 
 
 def tensor_parallel_fit(size: int, model_config: Any) -> list[str]:
@@ -117,9 +120,14 @@ def _sizes(name: str, m: MegatronConfig) -> list[str]:
 def check_megatron_start(config: KetchConfig, model_config: Any, gpu_visible: bool) -> None:
     """Raise `ConfigError` when a Megatron role cannot start here: megatron-core missing, no GPU, or sizes
     that do not fit the model (`model_config`: the Hugging Face config of the trained model)."""
+    raise_problems(megatron_start_problems(config, model_config, gpu_visible))
+
+
+def megatron_start_problems(config: KetchConfig, model_config: Any, gpu_visible: bool) -> list[str]:
+    """What `check_megatron_start` raises, one line a problem."""
     roles = megatron_roles(config)
     if not roles:
-        return
+        return []
     first = next(iter(roles))
     problems = []
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -130,8 +138,7 @@ def check_megatron_start(config: KetchConfig, model_config: Any, gpu_visible: bo
         problems.append(f"{first}.strategy=megatron trains on GPUs only, and this machine shows none (trainer.device)")
     for name, m in roles.items():
         problems += _model_fit(name, m, model_config)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    return problems
 
 
 def _model_fit(name: str, m: MegatronConfig, model_config: Any) -> list[str]:

@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from ketch.config.batch import BatchError, derive_batch_plan
-from ketch.config.errors import ConfigError
+from ketch.config.errors import raise_problems
 from ketch.config.parallel import megatron_problems, rollout_problems
 from ketch.config.schema import (
     ActorConfig,
@@ -130,17 +130,14 @@ line here."""
 
 def validate(config: KetchConfig) -> None:
     """Raise `ConfigError` naming every key out of range, then the conflicting keys, when `config` cannot run."""
-    problems = out_of_range(config)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    raise_problems(out_of_range(config))
     problems = [p for check in _CHECKS if (p := check(config))] + megatron_problems(config) + rollout_problems(config)
     for world in sorted({config.world_size(gpu_visible=False), config.world_size(gpu_visible=True)}):
         try:
             derive_batch_plan(config, world_size=world)
         except BatchError as err:
             problems.append(str(err))
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    raise_problems(problems)
 
 
 def out_of_range(section: Any, prefix: str = "") -> list[str]:

@@ -31,7 +31,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()
     state = optimizer.optim.state_dict()
     for share, group in zip(state["param_groups"], optimizer.param_groups, strict=True):
-        share.update({k: v for k, v in group.items() if k != "params"})
+        share.update(_settings(group))
     return state
 
 
@@ -42,7 +42,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
         return
     optimizer.optim.load_state_dict(state)
     for group, share in zip(optimizer.param_groups, state["param_groups"], strict=True):
-        group.update({k: v for k, v in share.items() if k != "params"})
+        group.update(_settings(share))
+
+
+def _settings(group: dict) -> dict:
+    """A parameter group's settings (lr, betas, ...) without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 class ShardedFusedAdamW(torch.optim.AdamW):

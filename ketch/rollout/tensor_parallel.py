@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from ketch.config.errors import ConfigError
+from ketch.config.errors import ConfigError, raise_problems
 from ketch.config.parallel import tensor_parallel_fit
 from ketch.protocol import DataProto
 
@@ -105,9 +105,7 @@ def same_random_numbers(seed: int, device: torch.device) -> Iterator[None]:
 def check_shardable(config, size: int) -> None:
     """A `ConfigError` naming `rollout.tensor_parallel_size` where `size` does not divide the HF `config`'s heads,
     key/value heads or intermediate width."""
-    problems = tensor_parallel_fit(size, config)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    raise_problems(tensor_parallel_fit(size, config))
 
 
 def sharded_config(config, size: int):
