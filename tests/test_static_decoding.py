@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ketch.rollout.static_decoding import grouped_decode_attention
+from ketch.rollout.decode_attention import grouped_decode_attention
 
 
 def test_grouped_decode_attention_matches_sdpa_with_repeated_kv_heads_under_a_padding_mask():

@@ -5,13 +5,16 @@ the GPU every token, and hundreds of kernel launches per layer stack. Here the K
 (batch, length) shape and held by the decoder (`DecodeBuffers`), the one-token step has fixed shapes, sampling
 stays on the device, and the host looks at the tokens only every `CHECK_EVERY` steps to stop early when every
 row has finished. Attention of the one new token reads the KV cache once per key/value head
-(`grouped_decode_attention`), not once per query head.
+(`decode_attention.py`), not once per query head, and Llama-style layers compute q/k/v and gate/up with one
+matmul each (`fused_projections.py`).
 
 Compiled (on GPUs), each transformer block is compiled with torch.compile, and the blocks share one graph: the
 block's parameters and its KV cache are inputs of the graph, so dynamo traces one block, not the whole layer
 stack, once per shape; the compiled block is saved, and a later run loads it without tracing
 (`ketch.compiled`). On CUDA the whole step, compiled blocks and the eager code around them, is then captured
-into one CUDA graph per shape and replayed once per token.
+into one CUDA graph per shape and sampling setting, together with the sampling of the next token and the
+bookkeeping after it (where it lands, which rows have finished, the next step's inputs), so that a token costs
+one graph replay and no other launch.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from functools import cache, partial
 
 import torch
 from torch import nn
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ketch.compiled import SavedCompile, eager, saved_compile
+from ketch.rollout.decode_attention import use_cached_attention
+from ketch.rollout.fused_projections import fuse_projections
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -35,79 +39,6 @@ PROMPT_BUCKET = 64
 RECOMPILE_LIMIT = 64
 """Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default), where the decode
 block is compiled with torch.compile itself (a backend object, not saved): every decode shape adds one."""
-
-DECODE_ATTENTION = "ketch_decode"
-"""The attention implementation the decoding model is switched to."""
-
-
-def grouped_decode_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature. For one new token per row, `query` `[batch, heads, 1, head_dim]`
-    against the cache `key`/`value` `[batch, kv_heads, length, head_dim]`: the `heads / kv_heads` query heads
-    that share a key/value head attend as one group of queries, so the cache is read once and never copied per
-    query head (transformers' SDPA path repeats it when there is a mask). Longer queries (the prompt) go to SDPA.
-    Returns `[batch, 1, heads, head_dim]`."""
-    batch, heads, length, head_dim = query.shape
-    kv_heads = key.shape[1]
-    if length != 1 or heads == kv_heads:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)  # query head i uses kv head i // group
-    mask = None if attention_mask is None else attention_mask[..., : key.shape[-2]]
-    out = nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(batch, 1, heads, head_dim), None
-
-
-def cached_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    cache_slots: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """The registered `DECODE_ATTENTION`: writes the new `key`/`value` `[batch, kv_heads, new, head_dim]` into
-    the module's KV cache (`module.decode_kv`, set by `DecodeBuffers.use`) at the cache slots `cache_slots`
-    `[new]`, then attends: the prompt (`new` > 1) among its own tokens under transformers' causal mask (sliding
-    windows included), one new token over the whole cache under `attention_mask` `[batch, 1, 1, length]` (True:
-    a filled slot), in a layer with a `sliding_window` only over the slots less than that many back.
-    The cache is reached through the module, not by the layer's index, so every block runs the same code."""
-    if cache_slots is None:
-        raise ValueError(f"{DECODE_ATTENTION} attention: call the model with `cache_slots` (see StaticDecoder)")
-    keys, values = module.decode_kv
-    keys.index_copy_(2, cache_slots, key)
-    values.index_copy_(2, cache_slots, value)
-    if query.shape[2] > 1:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if sliding_window is not None:
-        recent = torch.arange(keys.shape[2], device=keys.device) > cache_slots - sliding_window
-        attention_mask = attention_mask & recent
-    return grouped_decode_attention(module, query, keys, values, attention_mask, scaling=scaling)
-
-
-def use_cached_attention(model: nn.Module) -> None:
-    """Switch a HF model to `cached_attention` (prompt masks built as for SDPA)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, cached_attention)
-    AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(DECODE_ATTENTION)
 
 
 def _decode_block(block: nn.Module, *args, **kwargs):
@@ -132,10 +63,12 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class DecodeBuffers:
-    """The KV cache and the decode step's inputs of one (rows, length) shape, at fixed addresses (a CUDA graph
-    of the step replays on them): `tokens` and `positions` `[rows, 1]`, `slot` `[1]` (the cache slot of the
-    new token), `mask` `[rows, length]` (True: a filled slot; `mask4d` is the same memory as
-    `[rows, 1, 1, length]`), and per block keys and values `[rows, kv_heads, length, head_dim]`."""
+    """The KV cache and the decode step's state for one (rows, length) shape, at fixed addresses (a CUDA graph
+    of the step replays on them): `tokens` and `positions` `[rows, 1]` (the next step's input token and its
+    position), `slot` `[1]` (that token's cache slot), `mask` `[rows, length]` (True: a filled slot; `mask4d` is
+    the same memory as `[rows, 1, 1, length]`), per block keys and values `[rows, kv_heads, length, head_dim]`,
+    and what decoding has produced: `responses` `[rows, length]` (each sampled token at its cache slot, the pad
+    token after a row's stop token), `log_probs` `[rows, length]` (float32) and `done` `[rows]`."""
 
     def __init__(self, blocks: list[nn.Module], rows: int, length: int, device: torch.device):
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -144,8 +77,11 @@ class DecodeBuffers:
         self.mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.mask4d = self.mask[:, None, None, :]
         self.kv = [self._kv(block.self_attn, rows, length, device) for block in blocks]
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.responses = torch.zeros(rows, length, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(rows, length, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
     @staticmethod
     def _kv(attention: nn.Module, rows: int, length: int, device: torch.device):
@@ -157,6 +93,19 @@ class DecodeBuffers:
         """Point each block's attention at its KV cache here."""
         for block, kv in zip(blocks, self.kv, strict=True):
             block.self_attn.decode_kv = kv
+
+    def start(self, attention_mask: torch.Tensor, positions: torch.Tensor, active_rows: int, pad_token_id: int):
+        """Set up for prompts `[rows, prompt_len]` whose last positions are `positions` `[rows, 1]`: the prompt's
+        slots filled, nothing decoded, rows from `active_rows` on finished from the start."""
+        prompt_len = attention_mask.shape[1]
+        self.mask.zero_()
+        self.mask[:, :prompt_len] = attention_mask.bool()
+        self.positions.copy_(positions + 1)
+        self.slot.fill_(prompt_len - 1)
+        self.responses.fill_(pad_token_id)
+        self.log_probs.zero_()
+        self.done.zero_()
+        self.done[active_rows:] = True
 
 
 class StaticDecoder:
@@ -170,6 +119,7 @@ class StaticDecoder:
         self.buckets = compile_step if buckets is None else buckets
         use_cached_attention(model)
         self.blocks = transformer_blocks(model)
+        fuse_projections(self.blocks)
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
@@ -188,8 +138,8 @@ class StaticDecoder:
                 block.forward = partial(compiled, block)
 
     def _step(self, tokens, attention_mask, position_ids, cache_slots):
-        """Logits `[batch, vocab]` (float32) of the last position, after `tokens` `[batch, new]` at `position_ids`
-        are written into the KV cache slots `cache_slots` `[new]`."""
+        """Logits `[batch, vocab]` of the last position (in the model's dtype: the sampler reads them as float32),
+        after `tokens` `[batch, new]` at `position_ids` are written into the KV cache slots `cache_slots` `[new]`."""
         out = self.model(
             input_ids=tokens,
             attention_mask=attention_mask,
@@ -198,7 +148,7 @@ class StaticDecoder:
             cache_slots=cache_slots,
             logits_to_keep=1,
         )
-        return out.logits[:, -1].float()
+        return out.logits[:, -1]
 
     def _buffers(self, batch: int, length: int, device: torch.device) -> DecodeBuffers:
         key = (batch, length)
@@ -221,35 +171,54 @@ class StaticDecoder:
         if weights != self.weights:  # a CUDA graph reads the weights where they were at its capture
             self.weights = weights
             for other in self.caches.values():
-                other.graph = other.logits = None
+                other.graphs.clear()
         return buffers
 
-    def _decode(self, b: DecodeBuffers) -> torch.Tensor:
-        """One decode step on `b`'s inputs: logits `[rows, vocab]`. Compiled on CUDA, the first step of a shape
-        runs on a side stream (it compiles the block) and then the step is captured into a CUDA graph that later
-        steps replay."""
-        if b.graph is not None:
-            b.graph.replay()
-            return b.logits
+    def _record(self, b: DecodeBuffers, logits: torch.Tensor, sampling: Sampling, is_stop: torch.Tensor, pad: int):
+        """Sample each row's next token from `logits` `[rows, vocab]` and make it the next step's input: it takes
+        the slot after `b.slot`, where `b.responses` and `b.log_probs` get it (the pad token and 0 in rows that had
+        finished before it); a stop token finishes its row."""
+        token, log_prob = sampling.sample(logits)
+        slot = b.slot + 1
+        b.responses.index_copy_(1, slot, token.masked_fill(b.done, pad)[:, None])
+        b.log_probs.index_copy_(1, slot, log_prob.masked_fill(b.done, 0.0)[:, None])
+        b.done |= is_stop[token]
+        b.tokens.copy_(token[:, None])
+        b.mask.index_fill_(1, slot, True)
+        b.slot.copy_(slot)
+
+    def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
+        """One token: the decode step of `b.tokens`, then `_record` of the token after it."""
+        logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
+        b.positions.add_(1)
+        self._record(b, logits, sampling, is_stop, pad)
+
+    def _decode(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
+        """`_iterate` on `b`. Compiled on CUDA, the first iteration of a shape and sampling setting runs on a side
+        stream (it compiles the block and the sampler) and is then captured into a CUDA graph that later
+        iterations replay."""
+        args = (b, sampling, is_stop, pad)
         if not (self.compiled and b.tokens.is_cuda):
-            return self.step(b.tokens, b.mask4d, b.positions, b.slot)
+            return self._iterate(*args)
+        key = (sampling.key(), is_stop.data_ptr(), pad)
+        if key in b.graphs:
+            return b.graphs[key].replay()
         start = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)  # this token's step (capture runs nothing)
+            self._iterate(*args)  # this token's iteration (capture runs nothing)
         torch.cuda.current_stream().wait_stream(side)
         compiled = time.perf_counter()
-        b.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.graph, capture_error_mode="thread_local"):
-            b.logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
+        b.graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.graphs[key], pool=b.pool, capture_error_mode="thread_local"):
+            self._iterate(*args)
         logger.info(
             "decode step of %d rows x %d tokens: compiled/loaded in %.1f s, CUDA graph captured in %.1f s",
             *b.mask.shape,
             compiled - start,
             time.perf_counter() - compiled,
         )
-        return logits
 
     @torch.no_grad()
     def generate(
@@ -294,30 +263,16 @@ class StaticDecoder:
         new_shape = (batch, prompt_len + max_new_tokens) not in self.caches
         start = time.perf_counter()
         b = self._buffers(batch, prompt_len + max_new_tokens, device)
-        b.mask.zero_()
-        b.mask[:, :prompt_len] = attention_mask.bool()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        b.start(attention_mask, positions[:, -1:], batch if active_rows is None else active_rows, pad_token_id)
         with eager():  # the prompt runs once per call: not worth a compile
             logits = self._step(input_ids, attention_mask, positions, torch.arange(prompt_len, device=device))
-        b.positions.copy_(positions[:, -1:] + 1)
-        tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        log_probs = torch.zeros(batch, max_new_tokens, device=device)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        if active_rows is not None:
-            done[active_rows:] = True
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
-        for t in range(max_new_tokens):
-            token, log_prob = sampling.sample(logits)
-            tokens[:, t] = token.masked_fill(done, pad_token_id)
-            log_probs[:, t] = log_prob.masked_fill(done, 0.0)
-            done |= is_stop[token]
-            if t == max_new_tokens - 1 or (t % CHECK_EVERY == CHECK_EVERY - 1 and bool(done.all())):
+        self._record(b, logits, sampling, is_stop, pad_token_id)
+        for t in range(1, max_new_tokens):
+            if t % CHECK_EVERY == 0 and bool(b.done.all()):
                 break
-            b.tokens.copy_(token[:, None])
-            b.mask[:, prompt_len + t] = True
-            b.slot.fill_(prompt_len + t)
-            logits = self._decode(b)
-            b.positions.add_(1)
+            self._decode(b, sampling, is_stop, pad_token_id)
         if new_shape and self.compiled:
             logger.info(
                 "first decode of %d rows x %d tokens took %.1f s",
@@ -325,7 +280,8 @@ class StaticDecoder:
                 prompt_len + max_new_tokens,
                 time.perf_counter() - start,
             )
-        return tokens, log_probs
+        end = prompt_len + max_new_tokens
+        return b.responses[:, prompt_len:end].clone(), b.log_probs[:, prompt_len:end].clone()
 
     def _stop_table(self, stop_token_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """`[vocab]` bool, True at the stop tokens: one lookup per step, however many stop tokens there are."""
@@ -338,7 +294,7 @@ class StaticDecoder:
 
 
 class Sampling:
-    """Picks the next token from float32 logits `[batch, vocab]` and returns its log-prob under the
+    """Picks the next token from logits `[batch, vocab]` (read as float32) and returns its log-prob under the
     temperature-scaled distribution (what the training engine computes), before top-k/top-p filtering.
 
     Sampling takes the argmax of the filtered logits plus Gumbel noise (the Gumbel-max trick: the same
@@ -348,8 +304,12 @@ class Sampling:
     def __init__(self, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
         self.do_sample, self.temperature, self.top_p, self.top_k = do_sample, temperature, top_p, top_k
 
+    def key(self) -> tuple:
+        """What the sampling function is specialized on (a CUDA graph of it holds these)."""
+        return self.do_sample, self.temperature, self.top_p, self.top_k
+
     def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(token, log_prob)`, each `[batch]`."""
+        """`(token, log_prob)`, each `[batch]`, from `logits` `[batch, vocab]` in any float dtype."""
         return _sampler(logits.device.type)(logits, self.do_sample, self.temperature, self.top_k, self.top_p)
 
     def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -357,6 +317,7 @@ class Sampling:
 
 
 def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float):
+    logits = logits.float()  # compiled, the cast fuses into the sampling kernels: no float32 copy of the logits
     if do_sample:
         scaled = logits / temperature
         gumbel = -(-torch.rand_like(scaled).log()).log()

@@ -1,0 +1,173 @@
+"""Where a decode step of the static decoder spends its time, by batch size (one GPU).
+
+On the fixed workload's model (Qwen2.5-0.5B shape, random bf16 weights, 128 prompt + 256 sampled tokens) and
+for each `--rows`: one whole generation (median of `--steps`), one token's captured iteration alone (the
+CUDA graph of decode step, sampling and bookkeeping, replayed at a half-filled cache), and with `--profile DIR` a torch.profiler table of one generation's
+kernels. `--parts` times the pieces of one layer's step in isolation (each captured in a CUDA graph of 20
+calls): the decode attention by SDPA backend and as compiled math or flex attention, and the projections
+separate against fused (q/k/v, gate/up). Strong scaling over data-parallel GPUs needs a decode step that
+shrinks with its rows; this shows which kernels do not.
+
+    PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rl_step import SCALES, qwen2_config, random_model
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+S = SCALES["full"]
+
+
+def cuda_seconds(fn, calls: int = 20, replays: int = 10) -> float:
+    """Seconds per call of `fn()`, captured `calls` times into one CUDA graph and replayed (launch cost gone)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (calls * replays)
+
+
+def generation(decoder: StaticDecoder, rows: int, steps: int, profile: str | None) -> dict:
+    """Whole generations of `rows` rows, then the captured decode step replayed alone."""
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(3, S["vocab"], (rows, S["prompt_len"]), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    seconds = []
+    for _ in range(steps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder.generate(ids, mask, S["response_len"], Sampling(True), None, pad_token_id=0)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    buffers = decoder.caches[(rows, S["prompt_len"] + S["response_len"])]
+    (graph,) = buffers.graphs.values()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        buffers.slot.fill_(S["prompt_len"])  # replays write the token after this slot
+        graph.replay()
+    torch.cuda.synchronize()
+    replay = (time.perf_counter() - start) / 50
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            decoder.generate(ids, mask, S["response_len"], Sampling(True), None, pad_token_id=0)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90)
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        Path(profile, f"decode_{rows}rows.txt").write_text(table)
+    gen = statistics.median(seconds[1:])
+    return {
+        "rows": rows,
+        "gen_s": round(gen, 4),
+        "ms_per_token": round(gen / S["response_len"] * 1e3, 3),
+        "captured_token_ms": round(replay * 1e3, 3),
+        "first_gen_s": round(seconds[0], 2),
+    }
+
+
+def attention_parts(rows: int) -> dict:
+    """Microseconds of one layer's decode attention (7 query heads per key/value head, 384 cache slots of which
+    320 filled), by implementation."""
+    kv_heads, group, length, dim = S["kv_heads"], S["heads"] // S["kv_heads"], 384, S["hidden"] // S["heads"]
+    q = torch.randn(rows, kv_heads, group, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    filled = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device="cuda")
+    filled[..., :320] = True
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def math(q, k, v, filled):
+        scores = (q @ k.transpose(-1, -2)).float() * dim**-0.5
+        return (scores.masked_fill(~filled, float("-inf")).softmax(-1).to(v.dtype)) @ v
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def flex(q, k, v, filled):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(filled[b, 0, 0, kv_idx], score, -float("inf"))
+
+        return flex_attention(q.reshape(rows, kv_heads * group, 1, dim), k, v, score_mod=score_mod, enable_gqa=True)
+
+    out = {}
+    for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
+        with sdpa_kernel(backend):
+            out[f"sdpa_{name}"] = cuda_seconds(lambda: sdpa(q, k, v, attn_mask=filled))
+    compiled_math, compiled_flex = torch.compile(math, dynamic=False), torch.compile(flex, dynamic=False)
+    out["compiled_math"] = cuda_seconds(lambda: compiled_math(q, k, v, filled))
+    out["compiled_flex"] = cuda_seconds(lambda: compiled_flex(q, k, v, filled))
+    return {k: round(s * 1e6, 2) for k, s in out.items()}
+
+
+def projection_parts(rows: int) -> dict:
+    """Microseconds of one layer's projections at `rows` tokens: q/k/v (with bias) and gate/up separate
+    against one fused matmul each; o and down for comparison."""
+    h, i, kv = S["hidden"], S["intermediate"], S["kv_heads"] * (S["hidden"] // S["heads"])
+    x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(rows, i, device="cuda", dtype=torch.bfloat16)
+
+    def linear(n_out, n_in, bias=False):
+        return torch.nn.Linear(n_in, n_out, bias=bias, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v, qkv = linear(h, h, True), linear(kv, h, True), linear(kv, h, True), linear(h + 2 * kv, h, True)
+    gate, up, gate_up, down, o = linear(i, h), linear(i, h), linear(2 * i, h), linear(h, i), linear(h, h)
+    parts = {
+        "qkv_separate": lambda: (q(x), k(x), v(x)),
+        "qkv_fused": lambda: qkv(x),
+        "o": lambda: o(x),
+        "gate_up_separate": lambda: (gate(x), up(x)),
+        "gate_up_fused": lambda: gate_up(x),
+        "down": lambda: down(y),
+    }
+    with torch.no_grad():
+        return {name: round(cuda_seconds(fn) * 1e6, 2) for name, fn in parts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--parts", action="store_true", help="time one layer's attention and projections alone")
+    parser.add_argument("--profile", help="write one generation's kernel table per row count into this folder")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    config = qwen2_config(S, tie_word_embeddings=S["tied"], max_position_embeddings=4096)
+    model = random_model(config, 5e8, "cuda").cuda().eval()
+    decoder = StaticDecoder(model, compile_step=True)
+    results = {"scale": "Qwen2.5-0.5B shape", "device": torch.cuda.get_device_name(), "by_rows": []}
+    for rows in args.rows:
+        record = generation(decoder, rows, args.steps, args.profile)
+        if args.parts:
+            record |= {"attention_us": attention_parts(rows), "projections_us": projection_parts(rows)}
+        print(json.dumps(record), flush=True)
+        results["by_rows"].append(record)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
