@@ -43,17 +43,3 @@ def test_sampling_frequencies_follow_the_distribution():
     tokens, _ = Sampling(True).sample(logits)
     frequencies = torch.bincount(tokens, minlength=4).float() / 20000
     assert torch.allclose(frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015)
-
-
-def test_chunked_reductions_give_argmax_and_logsumexp_of_the_whole_row():
-    """The sampler reduces the vocabulary in 64 chunks: over 1,000 tokens (not a multiple of 64, so the last chunk
-    is padded) the token is `argmax`'s, the first of equal maxima (rows 1 and 2 hold the maximum twice, in other
-    chunks), and the log-normalizer `logsumexp`'s."""
-    from ketch.rollout.static_decoding import SAMPLE_CHUNKS, _chunked_argmax, _chunked_logsumexp
-
-    x = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
-    x[1, [20, 900]] = 9.0
-    x[2, [999, 5]] = 9.0
-    assert SAMPLE_CHUNKS == 64
-    assert _chunked_argmax(x).tolist() == x.argmax(-1).tolist() == [x[0].argmax().item(), 20, 5]
-    torch.testing.assert_close(_chunked_logsumexp(x), x.logsumexp(-1), atol=1e-6, rtol=0)

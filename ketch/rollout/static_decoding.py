@@ -36,9 +36,6 @@ CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
 PROMPT_BUCKET = 64
 """With shape buckets, prompts are left-padded to a multiple of this many tokens."""
-SAMPLE_CHUNKS = 64
-"""The sampler reduces each row's vocabulary in this many chunks, then over the chunks: one reduction per row
-would leave most of a GPU idle when a decode step has a few dozen rows."""
 RECOMPILE_LIMIT = 64
 """Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default), where the decode
 block is compiled with torch.compile itself (a backend object, not saved): every decode shape adds one."""
@@ -321,30 +318,13 @@ class Sampling:
 
 def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float):
     logits = logits.float()  # compiled, the cast fuses into the sampling kernels: no float32 copy of the logits
-    scaled = logits / temperature if do_sample else logits
-    scores = _filter(scaled, top_k, top_p) - (-torch.rand_like(scaled).log()).log() if do_sample else scaled
-    token = _chunked_argmax(scores)
-    return token, scaled.gather(-1, token[:, None]).squeeze(-1) - _chunked_logsumexp(scaled)
-
-
-def _chunks(x: torch.Tensor) -> torch.Tensor:
-    """`x` `[rows, vocab]` as `[rows, SAMPLE_CHUNKS, width]`, padded with -inf."""
-    width = -(-x.shape[-1] // SAMPLE_CHUNKS)
-    padded = nn.functional.pad(x, (0, width * SAMPLE_CHUNKS - x.shape[-1]), value=float("-inf"))
-    return padded.view(x.shape[0], SAMPLE_CHUNKS, width)
-
-
-def _chunked_argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` (the first of equal maxima too) `[rows]`, reduced chunk by chunk and then over chunks."""
-    chunks = _chunks(x)
-    best, where = chunks.max(-1)
-    chunk = best.argmax(-1)
-    return chunk * chunks.shape[-1] + where.gather(-1, chunk[:, None]).squeeze(-1)
-
-
-def _chunked_logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """`x.logsumexp(-1)` `[rows]`, reduced chunk by chunk and then over chunks."""
-    return _chunks(x).logsumexp(-1).logsumexp(-1)
+    if do_sample:
+        scaled = logits / temperature
+        gumbel = -(-torch.rand_like(scaled).log()).log()
+        token = (_filter(scaled, top_k, top_p) + gumbel).argmax(-1)
+    else:
+        scaled, token = logits, logits.argmax(-1)
+    return token, scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
 
 
 def _filter(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
