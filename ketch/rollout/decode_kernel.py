@@ -1,0 +1,113 @@
+"""A Triton kernel for the static decoder's one-token attention on GPUs.
+
+One program per (row, key/value head) attends the query heads that share the key/value head, as one block of
+queries, over the KV cache from its first slot to the new token's slot and no further: the unfilled end of the
+cache is never read. Keys come in blocks of `BLOCK_N` slots; the softmax is accumulated online (running maximum
+and sum), in float32. Masked slots (left padding, a sliding window's past) score -inf.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+"""Cache slots per block of keys."""
+
+
+def fits(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether the kernel takes these shapes: a power-of-two head size of 16 to 256, a float dtype, keys and
+    values `[rows, kv_heads, length, head_dim]` with contiguous head dimensions."""
+    head_dim = query.shape[-1]
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and query.dtype in dtypes and key.stride(-1) == 1
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    filled: torch.Tensor,
+    slot: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`query` `[rows, kv_heads, group, head_dim]` (the query heads of each key/value head) against the cache
+    `key`/`value` `[rows, kv_heads, length, head_dim]` where `filled` `[rows, length]` (bool) and up to the slot
+    `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in `query`'s dtype."""
+    rows, kv_heads, group, head_dim = query.shape
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    filled = filled.view(torch.uint8) if filled.dtype == torch.bool else filled
+    _decode_attention[(rows, kv_heads)](
+        query,
+        key,
+        value,
+        filled,
+        slot,
+        out,
+        scale,
+        *key.stride()[:3],
+        *value.stride()[:3],
+        filled.stride(0),
+        filled.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N,
+        PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
+    )
+    return out
+
+
+@triton.jit
+def _decode_attention(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    filled_ptr,
+    slot_ptr,
+    out_ptr,
+    scale,
+    k_row,
+    k_head,
+    k_slot,
+    v_row,
+    v_head,
+    v_slot,
+    filled_row,
+    filled_slot,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    n = tl.arange(0, BLOCK_N)
+    q_offsets = ((row * tl.num_programs(1) + head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=g[:, None] < GROUP, other=0.0)
+    end = tl.load(slot_ptr) + 1
+    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(0, end, BLOCK_N):
+        slots = start + n
+        seen = tl.load(filled_ptr + row * filled_row + slots * filled_slot, mask=slots < end, other=0) != 0
+        kv_mask = seen[:, None]
+        k = tl.load(k_ptr + row * k_row + head * k_head + slots[:, None] * k_slot + d[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a block with no slot seen yet adds nothing
+        weights = tl.exp(scores - shift[:, None])
+        rescale = tl.exp(top - shift)
+        v = tl.load(v_ptr + row * v_row + head * v_head + slots[:, None] * v_slot + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+        total = total * rescale + tl.sum(weights, 1)
+        top = new_top
+    out = acc / total[:, None]
+    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)

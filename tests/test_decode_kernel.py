@@ -1,0 +1,64 @@
+"""The Triton decode-attention kernel (`ketch/rollout/decode_kernel.py`), run by Triton's interpreter on the CPU,
+against PyTorch's attention over the filled slots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+CASE = textwrap.dedent(
+    """
+    import json, torch
+    from ketch.rollout.decode_kernel import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, 16, 150, 130
+    q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
+    k, v = (torch.randn(rows, kv_heads, length, head_dim, generator=g) for _ in range(2))
+    filled = torch.zeros(rows, length, dtype=torch.bool)
+    filled[0, : slot + 1] = True      # no padding
+    filled[1, 70 : slot + 1] = True   # left padding past the first block of 64 slots
+    filled[2, slot] = True            # only the new token
+    filled[3, 3 : slot + 1 : 2] = True
+    filled[:, slot + 1 :] = True      # past the new token's slot: never read, even where marked filled
+    k[:, :, slot + 1 :] = float("nan")
+    v[:, :, slot + 1 :] = float("nan")
+    out = decode_attention(q, k, v, filled, torch.tensor([slot]), 0.3)
+    seen = filled[:, None, None, : slot + 1]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, : slot + 1], v[:, :, : slot + 1], attn_mask=seen, scale=0.3
+    )
+    only_slot = (out[2] - v[2, :, slot : slot + 1]).abs().max().item()
+    print(json.dumps({"max_diff": (out - expected).abs().max().item(), "only_slot_diff": only_slot,
+                      "shape": list(out.shape), "finite": bool(out.isfinite().all())}))
+    """
+)
+
+
+def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():
+    """4 rows x 2 key/value heads x 7 query heads each, 150 cache slots of which 131 up to the new token's slot:
+    left padding, a row that sees its new token only, gaps; NaN past the slot is never read."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CASE], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["shape"] == [4, 2, 7, 16] and result["finite"]
+    assert result["max_diff"] < 1e-5 and result["only_slot_diff"] < 1e-6
+
+
+def test_kernel_takes_power_of_two_head_sizes_and_float_caches():
+    from ketch.rollout.decode_kernel import fits
+
+    cache = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)
+    assert fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), cache)
+    assert not fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), torch.zeros(2, 2, 8, 80))
+    assert not fits(torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 8, 8))
+    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.float64), cache)
