@@ -1,12 +1,12 @@
 """Where a decode step of the static decoder spends its time, by batch size (one GPU).
 
 On the fixed workload's model (Qwen2.5-0.5B shape, random bf16 weights, 128 prompt + 256 sampled tokens) and
-for each `--rows`: one whole generation (median of `--steps`), one token's captured iteration alone (the
-CUDA graph of decode step, sampling and bookkeeping, replayed at a half-filled cache), and with `--profile DIR` a torch.profiler table of one generation's
-kernels. `--parts` times the pieces of one layer's step in isolation (each captured in a CUDA graph of 20
-calls): the decode attention by SDPA backend and as compiled math or flex attention, and the projections
-separate against fused (q/k/v, gate/up). Strong scaling over data-parallel GPUs needs a decode step that
-shrinks with its rows; this shows which kernels do not.
+for each `--rows`: one whole generation (median of `--steps`), one token's captured iteration alone (the CUDA
+graph of decode step, sampling and bookkeeping, replayed for the token after slot 128 of 384), and with
+`--profile DIR` a torch.profiler table of one generation's kernels. `--parts` times the pieces of one layer's
+step in isolation (each captured in a CUDA graph of 20 calls): the decode attention as ketch's Triton kernel, by
+SDPA backend and as compiled math, and the projections separate against fused (q/k/v, gate/up). Strong scaling
+over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
 """
@@ -91,35 +91,39 @@ def generation(decoder: StaticDecoder, rows: int, steps: int, profile: str | Non
 
 
 def attention_parts(rows: int) -> dict:
-    """Microseconds of one layer's decode attention (7 query heads per key/value head, 384 cache slots of which
-    320 filled), by implementation."""
+    """Microseconds of one layer's decode attention (7 query heads per key/value head, 384 cache slots, the new
+    token at slot 319), by implementation, and each one's largest difference from float32 attention."""
+    from ketch.rollout.decode_kernel import decode_attention
+
     kv_heads, group, length, dim = S["kv_heads"], S["heads"] // S["kv_heads"], 384, S["hidden"] // S["heads"]
     q = torch.randn(rows, kv_heads, group, dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    filled = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device="cuda")
-    filled[..., :320] = True
+    filled = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
+    filled[:, :320] = True
+    slot = torch.tensor([319], device="cuda")
+    mask, scale = filled[:, None, None, :], dim**-0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
-    def math(q, k, v, filled):
-        scores = (q @ k.transpose(-1, -2)).float() * dim**-0.5
-        return (scores.masked_fill(~filled, float("-inf")).softmax(-1).to(v.dtype)) @ v
+    def math(q, k, v, mask):
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        return (scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)) @ v
 
-    from torch.nn.attention.flex_attention import flex_attention
-
-    def flex(q, k, v, filled):
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return torch.where(filled[b, 0, 0, kv_idx], score, -float("inf"))
-
-        return flex_attention(q.reshape(rows, kv_heads * group, 1, dim), k, v, score_mod=score_mod, enable_gqa=True)
-
-    out = {}
+    exact = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
+    compiled_math = torch.compile(math, dynamic=False)
+    runs = {"triton_kernel": lambda: decode_attention(q, k, v, filled, slot, scale)}
     for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
-        with sdpa_kernel(backend):
-            out[f"sdpa_{name}"] = cuda_seconds(lambda: sdpa(q, k, v, attn_mask=filled))
-    compiled_math, compiled_flex = torch.compile(math, dynamic=False), torch.compile(flex, dynamic=False)
-    out["compiled_math"] = cuda_seconds(lambda: compiled_math(q, k, v, filled))
-    out["compiled_flex"] = cuda_seconds(lambda: compiled_flex(q, k, v, filled))
-    return {k: round(s * 1e6, 2) for k, s in out.items()}
+        runs[f"sdpa_{name}"] = lambda backend=backend: _with_backend(backend, lambda: sdpa(q, k, v, attn_mask=mask))
+    runs["compiled_math"] = lambda: compiled_math(q, k, v, mask)
+    out = {}
+    for name, run in runs.items():
+        diff = (run().float() - exact).abs().max().item()
+        out[name] = {"us": round(cuda_seconds(run) * 1e6, 2), "max_diff": round(diff, 5)}
+    return out
+
+
+def _with_backend(backend, run):
+    with sdpa_kernel(backend):
+        return run()
 
 
 def projection_parts(rows: int) -> dict:
