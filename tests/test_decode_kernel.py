@@ -58,7 +58,8 @@ def test_kernel_takes_power_of_two_head_sizes_and_float_caches():
     from ketch.rollout.decode_kernel import fits
 
     cache = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)
-    assert fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), cache)
-    assert not fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), torch.zeros(2, 2, 8, 80))
-    assert not fits(torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 8, 8))
-    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.float64), cache)
+    assert fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), cache, cache)
+    assert not fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), torch.zeros(2, 2, 8, 80), torch.zeros(2, 2, 8, 80))
+    assert not fits(torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 8, 8), torch.zeros(2, 2, 8, 8))
+    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.float64), cache, cache)
+    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), cache, cache.transpose(-1, -2))

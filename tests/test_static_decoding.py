@@ -23,6 +23,9 @@ def test_grouped_decode_attention_matches_sdpa_with_repeated_kv_heads_under_a_pa
     got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3)
     assert got.shape == (batch, 1, heads, head_dim)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    # with the new token's slot (the last), through the op `ketch::decode_attention`: the same
+    through_op, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3, slot=torch.tensor([6]))
+    torch.testing.assert_close(through_op, expected, atol=1e-6, rtol=0)
     # row 2 sees one slot: its output is that slot's value, for each query head of the kv head
     torch.testing.assert_close(got[2, 0, 3], value[2, 1, 3], atol=1e-6, rtol=0)
 

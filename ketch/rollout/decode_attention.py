@@ -28,7 +28,7 @@ def decode_attention(
 def _decode_attention_cuda(query, key, value, filled, slot, scale):
     from ketch.rollout import decode_kernel
 
-    if decode_kernel.fits(query, key):
+    if decode_kernel.fits(query, key, value):
         return decode_kernel.decode_attention(query, key, value, filled, slot, scale)
     return _sdpa(query, key, value, filled, scale)
 

@@ -16,12 +16,13 @@ BLOCK_N = 64
 """Cache slots per block of keys."""
 
 
-def fits(query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes: a power-of-two head size of 16 to 256, a float dtype, keys and
+def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the kernel takes these tensors: a power-of-two head size of 16 to 256, a float dtype, keys and
     values `[rows, kv_heads, length, head_dim]` with contiguous head dimensions."""
     head_dim = query.shape[-1]
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and query.dtype in dtypes and key.stride(-1) == 1
+    size_fits = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    return size_fits and query.dtype in dtypes and key.stride(-1) == value.stride(-1) == 1
 
 
 def decode_attention(
