@@ -26,10 +26,11 @@ def decode_attention(
 
 @decode_attention.register_kernel("cuda")
 def _decode_attention_cuda(query, key, value, filled, slot, scale):
-    from ketch.rollout import decode_kernel
+    from ketch.rollout.decode_kernel import decode_attention as kernel
+    from ketch.rollout.decode_kernel import fits
 
-    if decode_kernel.fits(query, key, value):
-        return decode_kernel.decode_attention(query, key, value, filled, slot, scale)
+    if fits(query, key, value):
+        return kernel(query, key, value, filled, slot, scale)
     return _sdpa(query, key, value, filled, scale)
 
 
