@@ -182,3 +182,35 @@ def test_vllm_serves_the_export_and_answers_a_chat_request(smollm2_run, tmp_path
     model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     assert answer == tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_static_decoding_with_fused_projections_decodes_as_generate(smollm2_dir):
+    """SmolLM2 is a Llama: the static decoder computes its q/k/v and gate/up projections with one matmul each,
+    and attends with its own op; on the two chat prompts (left-padded) its greedy tokens and their log-probs are
+    transformers' `generate`'s."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    tokenizer = load_tokenizer(str(smollm2_dir))
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template(q, tokenize=False, add_generation_prompt=True) for q in QUESTIONS]
+    prompts = tokenizer(texts, return_tensors="pt", padding=True)
+    assert (prompts.attention_mask == 0).any(), "one prompt is left-padded"
+    model = load_causal_lm(str(smollm2_dir), torch.float32).eval()
+    out = model.generate(
+        **prompts,
+        max_new_tokens=12,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+        pad_token_id=IM_END,
+    )
+    expected = out.sequences[:, -12:]
+    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    decoder = StaticDecoder(model, compile_step=False)
+    assert type(decoder.blocks[0].self_attn).__name__ == "FusedLlamaAttention"
+    tokens, log_probs = decoder.generate(prompts.input_ids, prompts.attention_mask, 12, Sampling(False), None, IM_END)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-4, rtol=0)
