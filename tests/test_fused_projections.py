@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from greedy import generate_greedy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ketch.rollout.fused_projections import fuse_projections
@@ -52,18 +53,7 @@ def test_fused_decoding_matches_generate_after_a_weight_update(kind):
     torch.testing.assert_close(mlp.gate_up_weight[48:], reference.model.layers[0].mlp.up_proj.weight)
     input_ids = torch.randint(4, 64, (2, 5), generator=g)
     mask = torch.ones_like(input_ids)
-    out = reference.generate(
-        input_ids,
-        attention_mask=mask,
-        max_new_tokens=8,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    expected = out.sequences[:, 5:]
-    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    expected, expected_log_probs = generate_greedy(reference, input_ids, mask, 8, pad_token_id=0)
     tokens, log_probs = decoder.generate(input_ids, mask, 8, Sampling(do_sample=False), None, pad_token_id=0)
     assert torch.equal(tokens, expected)
     torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)

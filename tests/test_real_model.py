@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from greedy import generate_greedy
 from test_vllm import post, wait_until_healthy
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -198,17 +199,7 @@ def test_static_decoding_with_fused_projections_decodes_as_generate(smollm2_dir)
     prompts = tokenizer(texts, return_tensors="pt", padding=True)
     assert (prompts.attention_mask == 0).any(), "one prompt is left-padded"
     model = load_causal_lm(str(smollm2_dir), torch.float32).eval()
-    out = model.generate(
-        **prompts,
-        max_new_tokens=12,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        eos_token_id=None,
-        pad_token_id=IM_END,
-    )
-    expected = out.sequences[:, -12:]
-    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    expected, expected_log_probs = generate_greedy(model, prompts.input_ids, prompts.attention_mask, 12, IM_END)
     decoder = StaticDecoder(model, compile_step=False)
     assert type(decoder.blocks[0].self_attn).__name__ == "FusedLlamaAttention"
     tokens, log_probs = decoder.generate(prompts.input_ids, prompts.attention_mask, 12, Sampling(False), None, IM_END)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from greedy import generate_greedy
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ketch.rollout.decode_attention import grouped_decode_attention
@@ -154,18 +155,7 @@ def test_static_decoding_keeps_a_sliding_window_as_generate_does():
     assert model.config.layer_types == ["full_attention", "sliding_attention"]
     input_ids = torch.randint(4, 48, (2, 5), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones_like(input_ids)
-    out = model.generate(
-        input_ids,
-        attention_mask=attention_mask,
-        max_new_tokens=8,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    expected = out.sequences[:, 5:]
-    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    expected, expected_log_probs = generate_greedy(model, input_ids, attention_mask, 8, pad_token_id=0)
     tokens, log_probs = StaticDecoder(model, compile_step=False).generate(
         input_ids, attention_mask, 8, Sampling(do_sample=False), None, pad_token_id=0
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from greedy import generate_greedy
 
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
@@ -55,18 +56,7 @@ def test_compiled_static_decoding_gives_generates_greedy_tokens():
     input_ids = torch.randint(4, 512, (4, 20), generator=g).cuda()
     mask = torch.ones_like(input_ids)
     mask[1, :5], mask[2, :13] = 0, 0
-    out = model.generate(
-        input_ids,
-        attention_mask=mask,
-        max_new_tokens=24,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    expected = out.sequences[:, 20:]
-    expected_log_probs = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    expected, expected_log_probs = generate_greedy(model, input_ids, mask, 24, pad_token_id=0)
     decoder = StaticDecoder(model, compile_step=True)
     for _ in range(2):  # the second call replays the captured graphs
         tokens, log_probs = decoder.generate(input_ids, mask, 24, Sampling(do_sample=False), None, pad_token_id=0)
