@@ -5,7 +5,8 @@ for each `--rows`: one whole generation (median of `--steps`), one token's captu
 graph of decode step, sampling and bookkeeping, replayed for the token after slot 128 of 384), and with
 `--profile DIR` a torch.profiler table of one generation's kernels. `--parts` times the pieces of one layer's
 step in isolation (each captured in a CUDA graph of 20 calls): the decode attention as ketch's Triton kernel, by
-SDPA backend and as compiled math, and the projections separate against fused (q/k/v, gate/up). Strong scaling
+SDPA backend and as compiled math, the projections separate against fused (q/k/v, gate/up), and one token's
+sampling from the `[rows, vocab]` logits as compiled torch against ketch's Triton kernel. Strong scaling
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
@@ -150,6 +151,16 @@ def projection_parts(rows: int) -> dict:
         return {name: round(cuda_seconds(fn) * 1e6, 2) for name, fn in parts.items()}
 
 
+def sampler_parts(rows: int) -> dict:
+    """Microseconds of one token's draw (temperature 1, no filter) from bf16 logits `[rows, vocab]`: the
+    compiled torch sampler (what filtered sampling runs) against the Triton kernel."""
+    logits = torch.randn(rows, S["vocab"], device="cuda", dtype=torch.bfloat16)
+    seed = torch.zeros(1, dtype=torch.long, device="cuda")
+    sampling = Sampling(True)
+    parts = {"compiled_torch": lambda: sampling.sample(logits), "triton_kernel": lambda: sampling.sample(logits, seed)}
+    return {name: round(cuda_seconds(fn) * 1e6, 2) for name, fn in parts.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128])
@@ -165,7 +176,11 @@ def main() -> None:
     for rows in args.rows:
         record = generation(decoder, rows, args.steps, args.profile)
         if args.parts:
-            record |= {"attention_us": attention_parts(rows), "projections_us": projection_parts(rows)}
+            record |= {
+                "attention_us": attention_parts(rows),
+                "projections_us": projection_parts(rows),
+                "sampler_us": sampler_parts(rows),
+            }
         print(json.dumps(record), flush=True)
         results["by_rows"].append(record)
     if args.out:

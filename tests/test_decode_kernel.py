@@ -20,12 +20,12 @@ CASE = textwrap.dedent(
     from ketch.rollout.decode_kernel import decode_attention
 
     g = torch.Generator().manual_seed(0)
-    rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, 16, 150, 130
+    rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, 16, 300, 260
     q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
     k, v = (torch.randn(rows, kv_heads, length, head_dim, generator=g) for _ in range(2))
     filled = torch.zeros(rows, length, dtype=torch.bool)
     filled[0, : slot + 1] = True      # no padding
-    filled[1, 70 : slot + 1] = True   # left padding past the first block of 64 slots
+    filled[1, 140 : slot + 1] = True  # left padding past the first block of 128 slots
     filled[2, slot] = True            # only the new token
     filled[3, 3 : slot + 1 : 2] = True
     filled[:, slot + 1 :] = True      # past the new token's slot: never read, even where marked filled
@@ -44,7 +44,7 @@ CASE = textwrap.dedent(
 
 
 def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():
-    """4 rows x 2 key/value heads x 7 query heads each, 150 cache slots of which 131 up to the new token's slot:
+    """4 rows x 2 key/value heads x 7 query heads each, 300 cache slots of which 261 up to the new token's slot:
     left padding, a row that sees its new token only, gaps; NaN past the slot is never read."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", CASE], env=env, capture_output=True, text=True, timeout=300)

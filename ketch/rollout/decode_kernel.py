@@ -2,8 +2,8 @@
 
 One program per (row, key/value head) attends the query heads that share the key/value head, as one block of
 queries, over the KV cache from its first slot to the new token's slot and no further: the unfilled end of the
-cache is never read. Keys come in blocks of `BLOCK_N` slots; the softmax is accumulated online (running maximum
-and sum), in float32. Masked slots (left padding, a sliding window's past) score -inf.
+cache is never read. Keys come in blocks of slots (`_blocks`); the softmax is accumulated online (running
+maximum and sum), in float32. Masked slots (left padding, a sliding window's past) score -inf.
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-BLOCK_N = 64
-"""Cache slots per block of keys."""
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -55,10 +52,17 @@ def decode_attention(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N,
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
+        **_blocks(head_dim),
     )
     return out
+
+
+def _blocks(head_dim: int) -> dict:
+    """Cache slots per block of keys and the blocks loaded ahead. At head size 64 on an H200 (64 rows, 320 of
+    384 slots) 128 slots, two blocks ahead took 6.7 µs against 8.4 µs for 64 slots; larger heads keep 64 slots,
+    whose tiles fit the shared memory of smaller GPUs."""
+    return {"BLOCK_N": 128, "num_stages": 2} if head_dim <= 64 else {"BLOCK_N": 64, "num_stages": 3}
 
 
 @triton.jit

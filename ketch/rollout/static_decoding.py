@@ -68,7 +68,8 @@ class DecodeBuffers:
     position), `slot` `[1]` (that token's cache slot), `mask` `[rows, length]` (True: a filled slot; `mask4d` is
     the same memory as `[rows, 1, 1, length]`), per block keys and values `[rows, kv_heads, length, head_dim]`,
     and what decoding has produced: `responses` `[rows, length]` (each sampled token at its cache slot, the pad
-    token after a row's stop token), `log_probs` `[rows, length]` (float32) and `done` `[rows]`."""
+    token after a row's stop token), `log_probs` `[rows, length]` (float32) and `done` `[rows]`; `seed` `[1]`
+    keys the sampling kernel's noise (drawn at `start`, one more per token)."""
 
     def __init__(self, blocks: list[nn.Module], rows: int, length: int, device: torch.device):
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
@@ -80,6 +81,7 @@ class DecodeBuffers:
         self.responses = torch.zeros(rows, length, dtype=torch.long, device=device)
         self.log_probs = torch.zeros(rows, length, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.seed = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
@@ -106,6 +108,8 @@ class DecodeBuffers:
         self.log_probs.zero_()
         self.done.zero_()
         self.done[active_rows:] = True
+        if self.seed.is_cuda:  # keys the sampling kernel's noise; on the CPU, sampling draws from torch's generator
+            self.seed.random_(2**62)
 
 
 class StaticDecoder:
@@ -178,7 +182,8 @@ class StaticDecoder:
         """Sample each row's next token from `logits` `[rows, vocab]` and make it the next step's input: it takes
         the slot after `b.slot`, where `b.responses` and `b.log_probs` get it (the pad token and 0 in rows that had
         finished before it); a stop token finishes its row."""
-        token, log_prob = sampling.sample(logits)
+        token, log_prob = sampling.sample(logits, b.seed)
+        b.seed.add_(1)
         slot = b.slot + 1
         b.responses.index_copy_(1, slot, token.masked_fill(b.done, pad)[:, None])
         b.log_probs.index_copy_(1, slot, log_prob.masked_fill(b.done, 0.0)[:, None])
@@ -299,7 +304,9 @@ class Sampling:
 
     Sampling takes the argmax of the filtered logits plus Gumbel noise (the Gumbel-max trick: the same
     distribution as a draw from their softmax); on CUDA it is compiled into a few fused kernels over the
-    vocabulary, where softmax, `multinomial` and `log_softmax` took a pass (or several) each."""
+    vocabulary, where softmax, `multinomial` and `log_softmax` took a pass (or several) each. Without a filter,
+    the static decoder's draws on CUDA go to a Triton kernel instead (`sample_kernel.py`: two passes, one random
+    number per row)."""
 
     def __init__(self, do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0):
         self.do_sample, self.temperature, self.top_p, self.top_k = do_sample, temperature, top_p, top_k
@@ -308,8 +315,15 @@ class Sampling:
         """What the sampling function is specialized on (a CUDA graph of it holds these)."""
         return self.do_sample, self.temperature, self.top_p, self.top_k
 
-    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(token, log_prob)`, each `[batch]`, from `logits` `[batch, vocab]` in any float dtype."""
+    def sample(self, logits: torch.Tensor, seed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(token, log_prob)`, each `[batch]`, from `logits` `[batch, vocab]` in any float dtype. Given a `seed`
+        `[1]` (int64, on the logits' device), CUDA logits without a top-k/top-p filter go to the Triton kernel
+        (`sample_kernel.py`), whose noise is keyed on it: the caller changes it between draws."""
+        if seed is not None and logits.is_cuda and self.top_k == 0 and self.top_p >= 1.0:
+            from ketch.rollout.sample_kernel import fits, sample
+
+            if fits(logits):
+                return sample(logits, self.temperature if self.do_sample else 1.0, self.do_sample, seed)
         return _sampler(logits.device.type)(logits, self.do_sample, self.temperature, self.top_k, self.top_p)
 
     def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
