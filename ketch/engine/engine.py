@@ -144,14 +144,22 @@ class TrainEngine:
         """Run the module over `data` in micro-batches (eval mode, no grad); outputs concatenated `[batch, ...]`."""
         self.module.eval()
         outputs = defaultdict(list)
-        for micro in split_micro_batches(data, micro_batch_size, max_tokens):
-            for key, value in self._forward(micro, **kwargs).items():
+        for micro, host_mask in self._on_device(split_micro_batches(data, micro_batch_size, max_tokens)):
+            for key, value in self._forward(micro, host_mask, **kwargs).items():
                 outputs[key].append(value)
         return {key: torch.cat(values) for key, values in outputs.items()}
 
-    def _forward(self, micro: DataProto, **kwargs) -> dict[str, torch.Tensor]:
-        inputs = {k: micro.batch[k].to(self.device) for k in MODEL_INPUTS}
-        return self.module(**inputs, response_len=micro.batch["responses"].shape[-1], **kwargs)
+    def _on_device(self, micro_batches: list[DataProto]) -> list[tuple[DataProto, torch.Tensor]]:
+        """Each micro-batch moved to the device (in place), with its attention mask as it was on the host. All
+        are moved before the first forward: a copy from pageable host memory waits for the GPU's queued work,
+        and the GPU then idles while the host launches the next forward."""
+        host_masks = [micro.batch["attention_mask"] for micro in micro_batches]
+        return [(micro.to(self.device), mask) for micro, mask in zip(micro_batches, host_masks, strict=True)]
+
+    def _forward(self, micro: DataProto, host_mask: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        inputs = {k: micro.batch[k] for k in MODEL_INPUTS}
+        response_len = micro.batch["responses"].shape[-1]
+        return self.module(**inputs, response_len=response_len, host_attention_mask=host_mask, **kwargs)
 
     # ----------------------------------------------------------------- training
     def train_mini_batch(self, micro_batches: list[DataProto], loss_fn: LossFn, **kwargs) -> dict[str, float]:
@@ -166,10 +174,9 @@ class TrainEngine:
         num_tokens = all_reduce_sum(sum(m.sum() for m in masks).to(self.device, torch.float32))
         num_seqs = all_reduce_sum(sum((m.sum(-1) > 0).sum() for m in masks).to(self.device, torch.float32))
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
-        for i, micro in enumerate(micro_batches):
+        for i, (micro, host_mask) in enumerate(self._on_device(micro_batches)):
             self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            micro = micro.to(self.device)
-            loss, metrics = loss_fn(self._forward(micro, **kwargs), micro, num_tokens, num_seqs)
+            loss, metrics = loss_fn(self._forward(micro, host_mask, **kwargs), micro, num_tokens, num_seqs)
             # FSDP averages gradients over ranks; each rank's loss is already its share of the global mean.
             (loss * self.world_size).backward()
             for key, value in {"loss": loss.detach(), **metrics}.items():

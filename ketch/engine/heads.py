@@ -6,7 +6,8 @@ projection, happens inside one root forward (where FSDP has the parameters gathe
 aligned so that output `[:, t]` scores response token t from the hidden state just before it.
 
 With `packed`, the backbone runs padding-free on the real tokens only (`ketch.engine.packing`); outputs are
-the same, zeros at padding.
+the same, zeros at padding. Given `host_attention_mask`, the attention mask on the host, the heads find the
+real tokens from it: on the GPU, finding them would wait for all work queued before.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from ketch.engine.log_probs import token_log_probs
-from ketch.engine.packing import backbone_hidden, use_packed_attention
+from ketch.engine.packing import backbone_hidden, to_device, use_packed_attention
 
 
 class PolicyModel(nn.Module):
@@ -35,21 +36,23 @@ class PolicyModel(nn.Module):
         response_len: int,
         temperature: float = 1.0,
         calc_entropy: bool = False,
+        host_attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]` (prompt then response); returns `log_prob` (and `entropy`) `[batch, response_len]`
         in float32, for logits divided by `temperature` as in sampling; 0 at response padding (attention_mask 0),
         where the output projection is not computed."""
-        hidden = backbone_hidden(self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed)
-        valid = attention_mask[:, -response_len:].bool()
+        host = attention_mask if host_attention_mask is None else host_attention_mask
+        hidden = backbone_hidden(self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed, host)
+        valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
         states = hidden[:, -response_len - 1 : -1][valid]
         labels = input_ids[:, -response_len:][valid]
         head = self.lm.get_output_embeddings()
         log_prob, entropy = token_log_probs(states, labels, head.weight, head.bias, temperature, calc_entropy)
         # Fresh tensors, not views: FSDP's backward hook on a root output must not be bypassed by a view.
-        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-        out = {"log_prob": zeros.masked_scatter(valid, log_prob)}
+        zeros = torch.zeros(input_ids.shape[0], response_len, dtype=torch.float32, device=input_ids.device)
+        out = {"log_prob": zeros.index_put(valid, log_prob)}
         if calc_entropy:
-            out["entropy"] = zeros.masked_scatter(valid, entropy)
+            out["entropy"] = zeros.index_put(valid, entropy)
         return out
 
 
@@ -69,10 +72,17 @@ class ValueModel(nn.Module):
             use_packed_attention(critic)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_len: int
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_len: int,
+        host_attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
-        hidden = backbone_hidden(self.critic.base_model, input_ids, attention_mask, position_ids, self.packed)
+        hidden = backbone_hidden(
+            self.critic.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
+        )
         states = getattr(self.critic, "dropout", nn.Identity())(hidden[:, -response_len - 1 : -1])
         values = getattr(self.critic, self.head_name)(states)[..., 0]
         return {"values": values.float().clone()}
@@ -96,11 +106,18 @@ class ScoreModel(nn.Module):
             use_packed_attention(reward_model)
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_len: int
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        response_len: int,
+        host_attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `scores` `[batch]` in float32 (`response_len`, given by the engine to
         every head, is not needed)."""
-        hidden = backbone_hidden(self.reward_model.base_model, input_ids, attention_mask, position_ids, self.packed)
+        hidden = backbone_hidden(
+            self.reward_model.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
+        )
         positions = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)
         last = ((attention_mask != 0) * positions).amax(dim=-1).clamp(min=1) - 1
         states = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]

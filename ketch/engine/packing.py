@@ -30,14 +30,17 @@ class Packing:
     cu_seqlens: torch.Tensor
     """`[batch + 1]` int32 offsets of each sequence in the packed row."""
     max_len: int
-    shape: tuple[int, int]
+    shape: torch.Size
 
     @classmethod
-    def from_mask(cls, attention_mask: torch.Tensor) -> Packing:
+    def from_mask(cls, attention_mask: torch.Tensor, device: torch.device | None = None) -> Packing:
+        """Found where `attention_mask` `[batch, seq]` is (on the host it costs the GPU no wait: finding the
+        real tokens on the GPU waits for the work queued before it), held on `device` (default: the mask's)."""
         lengths = attention_mask.sum(-1, dtype=torch.int32)
         cu_seqlens = nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         index = attention_mask.flatten().nonzero().squeeze(-1)
-        return cls(index, cu_seqlens, int(lengths.max()), tuple(attention_mask.shape))
+        device = device or attention_mask.device
+        return cls(to_device(index, device), to_device(cu_seqlens, device), int(lengths.max()), attention_mask.shape)
 
     def pack(self, values: torch.Tensor) -> torch.Tensor:
         """`[batch, seq, ...]` -> `[1, T, ...]` (real tokens only)."""
@@ -47,6 +50,13 @@ class Packing:
         """`[1, T, ...]` -> `[batch, seq, ...]`, zeros at padding."""
         flat = packed.new_zeros(self.shape[0] * self.shape[1], *packed.shape[2:])
         return flat.index_copy(0, self.index, packed[0]).view(*self.shape, *packed.shape[2:])
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`; from the host to a GPU through pinned memory, a copy that does not wait for the GPU."""
+    if tensor.device.type == "cpu" and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def packing_enabled(use_remove_padding: bool | None, device: torch.device) -> bool:
@@ -60,14 +70,16 @@ def backbone_hidden(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     packed: bool,
+    host_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Last hidden states `[batch, seq, hidden]` of a HF base model (`model.model`, `base_model`) on a padded
-    batch: directly, or (`packed`) on the packed row of real tokens, with zeros at the padding."""
+    batch: directly, or (`packed`) on the packed row of real tokens, with zeros at the padding, the packing
+    found from `host_mask` (the attention mask on the host) where given."""
     if not packed:
         return backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-    packing = Packing.from_mask(attention_mask)
+    packing = Packing.from_mask(attention_mask if host_mask is None else host_mask, input_ids.device)
     hidden = backbone(
         input_ids=packing.pack(input_ids),
         position_ids=packing.pack(position_ids),
