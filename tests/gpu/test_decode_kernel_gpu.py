@@ -37,21 +37,9 @@ def test_kernel_matches_attention_over_the_filled_slots(head_dim, dtype):
         assert error <= 2 * sdpa_error + 1e-3, (error, sdpa_error)
 
 
-def test_compiled_static_decoding_gives_generates_greedy_tokens():
+def test_compiled_static_decoding_gives_generates_greedy_tokens(tiny_qwen2):
     """A 2-layer Qwen2 with head size 64 (so the kernel runs), left-padded prompts, 24 new tokens; float32."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).cuda().eval()
+    model = tiny_qwen2
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(4, 512, (4, 20), generator=g).cuda()
     mask = torch.ones_like(input_ids)

@@ -33,22 +33,10 @@ def test_draws_have_the_softmaxs_frequencies():
     torch.testing.assert_close(log_prob, expected, atol=1e-5, rtol=0)
 
 
-def test_sampled_static_decoding_is_seeded_and_scores_its_tokens():
+def test_sampled_static_decoding_is_seeded_and_scores_its_tokens(tiny_qwen2):
     """A random 2-layer Qwen2 in float32, 8 rows x 32 sampled tokens, twice per seed (the second replays the
     graphs): the same seed gives the same tokens, another seed others; each token's log-prob is the model's."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).cuda().eval()
+    model = tiny_qwen2
     input_ids = torch.randint(4, 512, (8, 16), generator=torch.Generator().manual_seed(1)).cuda()
     mask = torch.ones_like(input_ids)
     reference = copy.deepcopy(model)  # the decoder rebuilds the model's attention and compiles its blocks
