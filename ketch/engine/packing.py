@@ -34,8 +34,9 @@ class Packing:
 
     @classmethod
     def from_mask(cls, attention_mask: torch.Tensor, device: torch.device | None = None) -> Packing:
-        """Found where `attention_mask` `[batch, seq]` is (on the host it costs the GPU no wait: finding the
-        real tokens on the GPU waits for the work queued before it), held on `device` (default: the mask's)."""
+        """The packing of `attention_mask` `[batch, seq]`, computed where the mask is and held on `device` (default:
+        the mask's). From a mask on the host it costs the GPU no wait; on the GPU, `nonzero` waits for the work
+        queued before it."""
         lengths = attention_mask.sum(-1, dtype=torch.int32)
         cu_seqlens = nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         index = attention_mask.flatten().nonzero().squeeze(-1)
