@@ -6,7 +6,8 @@ graph of decode step, sampling and bookkeeping, replayed for the token after slo
 `--profile DIR` a torch.profiler table of one generation's kernels. `--parts` times the pieces of one layer's
 step in isolation (each captured in a CUDA graph of 20 calls): the decode attention as ketch's Triton kernel, by
 SDPA backend and as compiled math, the projections separate against fused (q/k/v, gate/up), and one token's
-sampling from the `[rows, vocab]` logits as compiled torch against ketch's Triton kernel. Strong scaling
+sampling from the `[rows, vocab]` logits as compiled torch against ketch's Triton kernel; `--sweep` times the
+Triton kernels' launch settings (attention blocks, warps and stages; the sampler's chunk size). Strong scaling
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
@@ -15,10 +16,12 @@ over data-parallel GPUs needs a decode step that shrinks with its rows; this sho
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -161,11 +164,40 @@ def sampler_parts(rows: int) -> dict:
     return {name: round(cuda_seconds(fn) * 1e6, 2) for name, fn in parts.items()}
 
 
+def sweep(rows: int) -> dict:
+    """Microseconds of the Triton attention kernel by launch setting (`BLOCK_N` slots × warps × stages, the same
+    shapes as `attention_parts`) and of a draw by the sampling kernel's chunk size: what picked the defaults."""
+    from ketch.rollout import sample_kernel
+    from ketch.rollout.decode_kernel import decode_attention
+
+    kv_heads, group, length, dim = S["kv_heads"], S["heads"] // S["kv_heads"], 384, S["hidden"] // S["heads"]
+    q = torch.randn(rows, kv_heads, group, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    filled = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
+    filled[:, :320] = True
+    slot = torch.tensor([319], device="cuda")
+    attention = {}
+    for block, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+        blocks = {"BLOCK_N": block, "num_warps": warps, "num_stages": stages}
+        run = partial(decode_attention, q, k, v, filled, slot, dim**-0.5, blocks)
+        attention[f"block{block}_warps{warps}_stages{stages}"] = round(cuda_seconds(run) * 1e6, 2)
+    logits = torch.randn(rows, S["vocab"], device="cuda", dtype=torch.bfloat16)
+    seed = torch.zeros(1, dtype=torch.long, device="cuda")
+    sampler = {
+        f"chunk{chunk}_{'sampled' if do_sample else 'greedy'}": round(
+            cuda_seconds(partial(sample_kernel.sample, logits, 1.0, do_sample, seed, chunk)) * 1e6, 2
+        )
+        for chunk, do_sample in itertools.product((1024, 2048, 4096, 8192), (True, False))
+    }
+    return {"attention_us": attention, "sampler_us": sampler}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--parts", action="store_true", help="time one layer's attention and projections alone")
+    parser.add_argument("--sweep", action="store_true", help="time the Triton kernels' launch settings")
     parser.add_argument("--profile", help="write one generation's kernel table per row count into this folder")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -181,6 +213,8 @@ def main() -> None:
                 "projections_us": projection_parts(rows),
                 "sampler_us": sampler_parts(rows),
             }
+        if args.sweep:
+            record["sweep"] = sweep(rows)
         print(json.dumps(record), flush=True)
         results["by_rows"].append(record)
     if args.out:

@@ -29,10 +29,12 @@ def decode_attention(
     filled: torch.Tensor,
     slot: torch.Tensor,
     scale: float,
+    blocks: dict | None = None,
 ) -> torch.Tensor:
     """`query` `[rows, kv_heads, group, head_dim]` (the query heads of each key/value head) against the cache
     `key`/`value` `[rows, kv_heads, length, head_dim]` where `filled` `[rows, length]` (bool) and up to the slot
-    `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in `query`'s dtype."""
+    `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in `query`'s dtype. `blocks` overrides the launch
+    settings of `_blocks` (`BLOCK_N`, `num_stages`, `num_warps`: what `benchmarks/decode_step.py --sweep` tries)."""
     rows, kv_heads, group, head_dim = query.shape
     query = query.contiguous()
     out = torch.empty_like(query)
@@ -53,7 +55,7 @@ def decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
-        **_blocks(head_dim),
+        **(blocks or _blocks(head_dim)),
     )
     return out
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 CHUNK = 4096
-"""Logits per program of the first pass."""
+"""Logits per program of the first pass (at 64–256 rows of 151,936 logits on an H200, 4,096 took 13.3–38.7 µs a
+draw; 1,024 and 8,192 were 2–37% slower)."""
 
 
 def fits(logits: torch.Tensor) -> bool:
@@ -28,16 +29,16 @@ def fits(logits: torch.Tensor) -> bool:
 
 
 def sample(
-    logits: torch.Tensor, temperature: float, do_sample: bool, seed: torch.Tensor
+    logits: torch.Tensor, temperature: float, do_sample: bool, seed: torch.Tensor, chunk: int = CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(token, log_prob)`, `[rows]` int64 and float32, from `logits` `[rows, vocab]`: a draw from the softmax of
     `logits / temperature` (the noise keyed on `seed` `[1]` int64) when `do_sample`, else its argmax (the first
-    of equal ones), and the token's log-prob under that softmax."""
+    of equal ones), and the token's log-prob under that softmax; `chunk` logits (a power of two) per program."""
     rows, vocab = logits.shape
-    chunks = triton.cdiv(vocab, CHUNK)
+    chunks = triton.cdiv(vocab, chunk)
     top, total = (torch.empty(rows, chunks, device=logits.device) for _ in range(2))
     best = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_statistics[(rows, chunks)](logits, logits.stride(0), vocab, temperature, top, total, best, CHUNK=CHUNK)
+    _chunk_statistics[(rows, chunks)](logits, logits.stride(0), vocab, temperature, top, total, best, CHUNK=chunk)
     token = torch.empty(rows, dtype=torch.long, device=logits.device)
     log_prob = torch.empty(rows, device=logits.device)
     _draw[(rows,)](
@@ -53,7 +54,7 @@ def sample(
         token,
         log_prob,
         SAMPLE=do_sample,
-        CHUNK=CHUNK,
+        CHUNK=chunk,
         CHUNKS=triton.next_power_of_2(chunks),
     )
     return token, log_prob
