@@ -118,8 +118,8 @@ class CriticWorker(DeviceMemory, Worker):
             num_seqs=num_seqs,
         )
         share = token_share(micro, num_tokens)
-        mask = b["response_mask"].bool()
-        vpred_mean = vpreds.detach()[mask].sum() / num_tokens.clamp(min=1)
+        # a product, not boolean indexing: indexing by a mask on the GPU waits for the work queued before it
+        vpred_mean = (vpreds.detach() * b["response_mask"]).sum() / num_tokens.clamp(min=1)
         return loss, {"vf_loss": loss.detach(), "vpred_mean": vpred_mean} | {
             k: v.detach() * share for k, v in info.items()
         }
