@@ -94,18 +94,25 @@ def generation(decoder: StaticDecoder, rows: int, steps: int, profile: str | Non
     }
 
 
-def attention_parts(rows: int) -> dict:
-    """Microseconds of one layer's decode attention (7 query heads per key/value head, 384 cache slots, the new
-    token at slot 319), by implementation, and each one's largest difference from float32 attention."""
-    from ketch.rollout.decode_kernel import decode_attention
-
+def attention_inputs(rows: int) -> tuple[torch.Tensor, ...]:
+    """One layer's decode attention inputs in bf16: queries `[rows, kv_heads, group, head_dim]`, a cache of 384
+    slots `[rows, kv_heads, 384, head_dim]` (keys, values) filled up to the new token at slot 319, and that slot."""
     kv_heads, group, length, dim = S["kv_heads"], S["heads"] // S["kv_heads"], 384, S["hidden"] // S["heads"]
     q = torch.randn(rows, kv_heads, group, dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     filled = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
     filled[:, :320] = True
     slot = torch.tensor([319], device="cuda")
-    mask, scale = filled[:, None, None, :], dim**-0.5
+    return q, k, v, filled, slot
+
+
+def attention_parts(rows: int) -> dict:
+    """Microseconds of one layer's decode attention (7 query heads per key/value head, 384 cache slots, the new
+    token at slot 319), by implementation, and each one's largest difference from float32 attention."""
+    from ketch.rollout.decode_kernel import decode_attention
+
+    q, k, v, filled, slot = attention_inputs(rows)
+    mask, scale = filled[:, None, None, :], q.shape[-1] ** -0.5
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def math(q, k, v, mask):
@@ -170,16 +177,11 @@ def sweep(rows: int) -> dict:
     from ketch.rollout import sample_kernel
     from ketch.rollout.decode_kernel import decode_attention
 
-    kv_heads, group, length, dim = S["kv_heads"], S["heads"] // S["kv_heads"], 384, S["hidden"] // S["heads"]
-    q = torch.randn(rows, kv_heads, group, dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    filled = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
-    filled[:, :320] = True
-    slot = torch.tensor([319], device="cuda")
+    q, k, v, filled, slot = attention_inputs(rows)
     attention = {}
     for block, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
         blocks = {"BLOCK_N": block, "num_warps": warps, "num_stages": stages}
-        run = partial(decode_attention, q, k, v, filled, slot, dim**-0.5, blocks)
+        run = partial(decode_attention, q, k, v, filled, slot, q.shape[-1] ** -0.5, blocks)
         attention[f"block{block}_warps{warps}_stages{stages}"] = round(cuda_seconds(run) * 1e6, 2)
     logits = torch.randn(rows, S["vocab"], device="cuda", dtype=torch.bfloat16)
     seed = torch.zeros(1, dtype=torch.long, device="cuda")
