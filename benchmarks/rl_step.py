@@ -99,7 +99,9 @@ PEAK_BF16_FLOPS = {"cuda": 989e12}
 """Dense bf16 peak of an H200 (the figure TRL's 26.7% MFU on this workload refers to)."""
 STOP_EVERY = 128
 """`--workload variable`: token ids 3, 3 + STOP_EVERY, ... stop a response."""
-STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "step")
+STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "wait_gen", "step")
+"""`wait_gen`: with a standalone rollout at `rollout.staleness=1`, how long the weight hand-off waited for the next
+step's generation, which ran (with its scoring) during the step instead of in it."""
 
 
 SPECIAL = ("<pad>", "<eos>", "<unk>")
@@ -233,9 +235,8 @@ def run(args) -> dict:
             print(f"compilation in the first step:\n{torch._dynamo.utils.compile_times(repr='str')}", flush=True)
     memory = worker_memory(trainer.groups)
     rows = config.data.train_batch_size * config.rollout.n
-    devices = config.num_processes(args.device == "cuda")
     trainer.groups.shutdown()
-    result = summarize(records[args.warmup : total], s, args, rows, devices)
+    result = summarize(records[args.warmup : total], s, args, rows, config)
     result["device"] = _device_name(args.device)
     result["first_step_s"] = records[0]["timing_s/step"]
     result["first_step_seconds"] = {k: records[0][f"timing_s/{k}"] for k in STAGES if f"timing_s/{k}" in records[0]}
@@ -308,21 +309,33 @@ def worker_memory(groups) -> list[dict]:
     """Each worker process's peak GPU memory, per role and rank (colocated roles share a process, so the
     actor's figure covers them)."""
     found = []
-    for role in ("actor_rollout", "critic", "reward_model"):
+    for role in ("actor_rollout", "critic", "reward_model", "rollout"):
         group = getattr(groups, role)
         if group is not None:
             found += [{"role": role, "rank": rank, **m} for rank, m in enumerate(group.peak_device_memory())]
     return found
 
 
-def summarize(records: list[dict], s: dict, args, rows: int, devices: int) -> dict:
+def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
     """Medians over `records` (the timed steps' metrics) of the stage times and of the throughputs computed
-    from each step's real tokens: `rows` sequences per step over `devices` GPUs (or CPU processes)."""
+    from each step's real tokens: `rows` sequences per step. The update's MFU is per GPU of the actor;
+    `devices` counts a standalone rollout's too. `overhead` is the step less its stages: the hybrid weight
+    hand-off is part of the update, a standalone one a stage of its own, and a generation started ahead
+    (`rollout.staleness=1`) none of the step's."""
+    gpu = args.device == "cuda"
+    standalone = config.rollout.placement == "standalone"
     median = {
         k: statistics.median(r[f"timing_s/{k}"] for r in records) for k in STAGES if f"timing_s/{k}" in records[0]
     }
     median["weight_sync"] = statistics.median(r["timing_s/weight_sync"] for r in records)
-    median["overhead"] = median["step"] - sum(v for k, v in median.items() if k not in ("step", "weight_sync"))
+    outside = (
+        {"step"}
+        | ({"gen", "reward"} if config.rollout.staleness else set())
+        | (set() if standalone else {"weight_sync"})
+    )
+    median["overhead"] = median["step"] - sum(v for k, v in median.items() if k not in outside)
+    train_devices = config.num_processes(gpu)
+    devices = train_devices + (config.rollout_processes(gpu) if standalone else 0)
     tokens = [r["perf/total_num_tokens"] for r in records]
     new_tokens = [r["response_length/mean"] * rows for r in records]
     params = matmul_parameters(s)
@@ -344,7 +357,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, devices: int) -> di
     }
     if args.device == "cuda":
         flops = [6 * params * t for t in tokens]
-        result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * devices)
+        result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * train_devices)
     return result
 
 
@@ -383,7 +396,7 @@ def main() -> None:
         "--profile", help="profile one more step after the timed ones; write its torch.profiler tables to this file"
     )
     parser.add_argument(
-        "--profile-stage", default="step", choices=["step", *STAGES[:-1]], help="profile only this stage of the step"
+        "--profile-stage", default="step", choices=["step", *(k for k in STAGES if k not in ("step", "wait_gen"))], help="profile only this stage of the step"
     )
     parser.add_argument(
         "--profile-first-step", help="profile the first step's Python with cProfile; write its busiest functions here"

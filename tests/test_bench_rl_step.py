@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from ketch.config import load_config
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rl_step.py"
 
 
@@ -30,7 +32,8 @@ def record(step: float, gen: float, update: float, tokens: int, mean_response: f
 def test_throughputs_come_from_each_steps_real_tokens_and_mfu_from_every_gpu(rl_step):
     records = [record(4.0, 2.0, 1.0, 1000, 50.0), record(5.0, 3.0, 1.5, 1500, 60.0)]
     args = Namespace(variant="grpo", workload="variable", scale="small", device="cuda", set=[])
-    result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, devices=2)
+    config = load_config(overrides=["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
+    result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, config=config)
     assert result["tokens_per_step"] == 1250  # median of 1000 and 1500
     assert result["response_tokens_per_step"] == 550  # 10 rows x 50 and x 60
     assert result["tokens_per_s"] == pytest.approx(275)  # median of 1000 / 4 and 1500 / 5
@@ -41,6 +44,17 @@ def test_throughputs_come_from_each_steps_real_tokens_and_mfu_from_every_gpu(rl_
     # 6 x 753,664 x 1000 tokens per 1.0 s (and per 1.5 s for 1500) over 2 GPUs of 989 TFLOP/s
     assert result["parameters"] == 753_664
     assert result["update_mfu"] == pytest.approx(6 * 753_664 * 1000 / (2 * 989e12))
+
+
+def test_a_generation_started_ahead_is_outside_the_step_and_mfu_counts_the_actors_gpus_only(rl_step):
+    records = [record(4.0, 2.0, 1.0, 1000, 50.0) | {"timing_s/wait_gen": 0.3}]
+    args = Namespace(variant="grpo", workload="fixed", scale="small", device="cuda", set=[])
+    overrides = ["trainer.device=cuda", "rollout.placement=standalone", "rollout.staleness=1"]
+    result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, config=load_config(overrides=overrides))
+    assert result["devices"] == 2  # one GPU for the actor, one for the rollout
+    # the step less adv, the update, the wait for the generation and the standalone weight hand-off
+    assert result["seconds"]["overhead"] == pytest.approx(4.0 - (0.1 + 1.0 + 0.3 + 0.2))
+    assert result["update_mfu"] == pytest.approx(6 * 753_664 * 1000 / (1 * 989e12))
 
 
 def test_variable_workload_stops_on_one_token_id_in_stop_every(rl_step):

@@ -9,6 +9,8 @@
 #              7B-shaped hf rollout at TP=1 and TP=2
 #   scaling    ketch GRPO on one GPU (16 prompts, and 8: one GPU's half of the strong-scaling run) and on two
 #              (16 and 32 prompts), then the weight hand-off at 1 and 2 processes
+#   standalone ketch GRPO, 16 prompts, on one GPU, then with the rollout on the second GPU (rollout.placement=
+#              standalone): from the newest weights (staleness 0), and one step ahead (staleness 1); the NCCL bridge
 # Results (JSON) go to $OUT, each stage's logs to $OUT/logs_STAGE.tgz. Set-up first (megatron-core from .whl/,
 # Ray from .carry/):
 #   mkdir -p /tmp/site && tar xJf .carry/ray-py312.txz -C /tmp/site && python3 -m pip install -q --no-index \
@@ -21,7 +23,7 @@ date=$(date -u +%F)
 stage() { local name=$1; shift; echo "=== $name $(date -u +%T)"; timeout "$@" >"$OUT/logs/$name.log" 2>&1; echo "rc=$? $(date -u +%T)"; grep -hE "^step|passed|skipped|failed|error" "$OUT/logs/$name.log" | tail -8; }
 mega="python3 benchmarks/megatron_vs_fsdp.py"
 step="python3 benchmarks/rl_step.py --variant grpo --warmup 1 --steps 3"
-case ${1:?stage: megatron, grpo30, 7b or scaling} in
+case ${1:?stage: megatron, grpo30, 7b, scaling or standalone} in
 megatron)
   KETCH_GPU_RESULTS=$OUT stage tests_gpu 560 python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
 grpo30)
@@ -43,6 +45,13 @@ scaling)
   stage grpo_2gpu_32 120 $step --prompts 32 --set trainer.n_gpus_per_node=2 \
     --out "$OUT/${date}_h200x2_ketch_grpo_2gpu_32prompts.json"
   stage handoff 60 python3 benchmarks/weight_handoff.py --scale 0.5b --world 1 2 --out "$OUT/${date}_h200x2_weight_handoff.json" ;;
+standalone)
+  CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu 100 $step --out "$OUT/${date}_h200x2_ketch_grpo_1gpu.json"
+  for staleness in 0 1; do
+    stage "standalone_$staleness" 150 $step --set rollout.placement=standalone rollout.staleness=$staleness \
+      --out "$OUT/${date}_h200x2_ketch_grpo_standalone_staleness$staleness.json"
+  done
+  stage bridge 60 python3 -m pytest tests/gpu/test_weight_bridge_gpu.py -q -p no:cacheprovider ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -54,11 +54,13 @@ def rollout_problems(config: KetchConfig) -> list[str]:
     key = f"rollout.tensor_parallel_size={r.tensor_parallel_size}"
     if r.tensor_parallel_size == 1 or r.name != "hf":
         return []
-    processes = config.num_processes(gpu_visible=config.trainer.device != "cpu")
+    processes = config.rollout_processes(gpu_visible=config.trainer.device != "cpu")
     problems = []
     if processes % r.tensor_parallel_size:
-        where = (
-            "trainer.n_cpu_workers" if config.trainer.device == "cpu" else "trainer.nnodes x trainer.n_gpus_per_node"
+        where = "trainer.nnodes x " + (
+            "rollout.n_workers_per_node"
+            if r.placement == "standalone"
+            else ("trainer.n_cpu_workers" if config.trainer.device == "cpu" else "trainer.n_gpus_per_node")
         )
         problems.append(f"{key} does not divide the {processes} worker processes ({where}); pick a divisor of it")
     if r.multi_turn.enable:

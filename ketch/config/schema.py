@@ -335,6 +335,16 @@ class RolloutConfig:
     """vLLM: reuse the KV cache of shared prompt prefixes (the n samples of a prompt)."""
     check_weight_sync: bool = False
     """Debug: after each weight hand-off, compare one weight's norm in the rollout engine with the actor's."""
+    placement: Literal["hybrid", "standalone"] = "hybrid"
+    """hybrid: the rollout engine lives in the actor's processes and takes its weights in memory; standalone: it
+    gets processes (devices) of its own, `rollout.n_workers_per_node` per node (Ray), and the actor's rank 0
+    broadcasts the weights to them after each update (`ketch.workers.weight_bridge`)."""
+    n_workers_per_node: int = 1
+    """Processes per node of a standalone rollout (one device each on GPUs)."""
+    staleness: int = 0
+    """Standalone rollout: 1 generates the next step's responses while this step trains, from the weights before
+    this step's update (one step off-policy; `actor.rollout_is` corrects for the lag), so generation and training
+    overlap; 0 generates each step's responses from the newest weights."""
     val: ValSamplingConfig = field(default_factory=ValSamplingConfig)
     """Sampling used for validation."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -519,7 +529,7 @@ class TrainerConfig:
     """Nodes used by the workers."""
     backend: Literal["auto", "local", "ray"] = "auto"
     """Where workers run: in this process (local), in Ray actors (ray); auto = ray when more than one
-    worker process, more than one node or a trainer.ray_address is asked for."""
+    worker process, more than one node, a standalone rollout or a trainer.ray_address is asked for."""
     placement: Literal["colocate", "split"] = "colocate"
     """Ray: all roles of a rank in one process per device (colocate), or the critic on a pool of its own (split)."""
     ray_address: str | None = None
@@ -567,11 +577,19 @@ class KetchConfig:
         requires that it divides)."""
         return max(1, self.num_processes(gpu_visible) // self.model_parallel_size)
 
+    def rollout_processes(self, gpu_visible: bool) -> int:
+        """Processes that run the rollout engine: a standalone rollout's over all nodes, else the workers'."""
+        if self.rollout.placement == "standalone":
+            return self.trainer.nnodes * self.rollout.n_workers_per_node
+        return self.num_processes(gpu_visible)
+
     def uses_ray(self, gpu_visible: bool) -> bool:
         """The backend that `trainer.backend` resolves to (see its documentation)."""
         if self.trainer.backend != "auto":
             return self.trainer.backend == "ray"
-        return self.num_processes(gpu_visible) > 1 or self.trainer.nnodes > 1 or self.trainer.ray_address is not None
+        t = self.trainer
+        many = self.num_processes(gpu_visible) > 1 or t.nnodes > 1 or self.rollout.placement == "standalone"
+        return many or t.ray_address is not None
 
     @property
     def use_reference(self) -> bool:

@@ -95,6 +95,8 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "max_model_len": COUNT,
         "max_num_seqs": COUNT,
         "max_num_batched_tokens": COUNT,
+        "n_workers_per_node": COUNT,
+        "staleness": ("[0, 1]", "a standalone rollout runs at most one step ahead of training"),
     },
     RewardModelConfig: {"micro_batch_size_per_device": COUNT},
     RewardConfig: {"clip": (POSITIVE, "null disables clipping")},
@@ -281,6 +283,23 @@ def _registered_algorithms(c: KetchConfig) -> str | None:
     return None
 
 
+def _standalone_rollout(c: KetchConfig) -> str | None:
+    r = c.rollout
+    if r.placement == "standalone" and c.trainer.backend == "local":
+        return "rollout.placement=standalone gives the rollout processes of its own, which needs trainer.backend=ray"
+    if r.staleness and r.placement != "standalone":
+        return (
+            f"rollout.staleness={r.staleness} generates while the actor trains, which needs processes of its own: "
+            "set rollout.placement=standalone"
+        )
+    if r.staleness and c.algorithm.filter_groups.enable:
+        return (
+            "algorithm.filter_groups draws more prompts while a batch is generated, which rollout.staleness=1 would "
+            "do a step ahead of the data position a checkpoint records; set rollout.staleness=0 with it"
+        )
+    return None
+
+
 def _rollout_is(c: KetchConfig) -> str | None:
     a = c.actor
     if a.rollout_is is not None and a.recompute_old_log_prob is False:
@@ -313,4 +332,4 @@ def _dapo(c: KetchConfig) -> str | None:
 
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout)

@@ -84,6 +84,10 @@ class RoleGroup:
     def world_size(self) -> int:
         return self.group.world_size
 
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there, for a process group that rank 0 hosts."""
+        return ray.get(self.group.actors[0].rendezvous.remote())
+
     def _call(self, method: str, registration: Registration, *args: Any, **kwargs: Any) -> Any:
         return self._call_async(method, registration, *args, **kwargs).get()
 

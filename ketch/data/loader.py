@@ -43,6 +43,13 @@ class PromptLoader:
         batch.meta_info["epoch"] = self.epoch
         return batch
 
+    def peek(self) -> DataProto:
+        """The batch that `next_batch` will return next, without moving."""
+        state = self.state_dict()
+        batch = self.next_batch()
+        self.load_state_dict(state)
+        return batch
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch_index": self.batch_index, "seed": self.seed}
 

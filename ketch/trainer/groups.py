@@ -1,7 +1,8 @@
 """Build the worker groups of a run: in this process (local backend) or as Ray actors.
 
 With Ray, the roles of a rank share one process per device (`trainer.placement=colocate`), or the critic
-gets a resource pool of its own (`split`); so does the reward model with `reward.model.placement=split`.
+gets a resource pool of its own (`split`); so does the reward model with `reward.model.placement=split`, and
+the rollout with `rollout.placement=standalone` (joined to the actor by a weight bridge).
 Either way the trainer receives role groups with the same methods, so trainer code does not change with
 placement.
 """
@@ -17,7 +18,7 @@ import torch
 
 from ketch.config import BatchPlan, KetchConfig
 from ketch.controller import LocalWorkerGroup
-from ketch.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from ketch.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RolloutWorker
 
 logger = logging.getLogger("ketch")
 
@@ -29,6 +30,8 @@ class WorkerGroups:
     actor_rollout: Any = None
     critic: Any = None
     reward_model: Any = None
+    rollout: Any = None
+    """A standalone rollout (`rollout.placement=standalone`); None when the actor's processes generate."""
     owned: list = field(default_factory=list)
     """The groups that hold worker processes or models, shut down together."""
 
@@ -47,15 +50,31 @@ def build_worker_groups(
     reward_model_path: str | None = None,
 ) -> WorkerGroups:
     """Actor+rollout(+reference) and, when `critic_updates` is given, critic groups, and, when
-    `reward_model_path` is given, a frozen reward model; models loaded. The update counts size the
-    learning-rate schedules."""
+    `reward_model_path` is given, a frozen reward model, and a standalone rollout joined to the actor by a weight
+    bridge when the config asks for one; models loaded. The update counts size the learning-rate schedules."""
     specs = {"actor_rollout": (ActorRolloutRefWorker, config, model_path, plan, actor_updates)}
     if critic_updates is not None:
         specs["critic"] = (CriticWorker, config, model_path, plan, critic_updates)
     if reward_model_path is not None:
         tokenizer_path = config.reward.model.tokenizer_path or reward_model_path
         specs["reward_model"] = (RewardModelWorker, config, reward_model_path, tokenizer_path, None, model_path)
-    return _build(config, specs)
+    if config.rollout.placement == "standalone":
+        specs["rollout"] = (RolloutWorker, config, model_path)
+    groups = _build(config, specs)
+    if groups.rollout is not None:
+        _join_weight_bridge(groups.actor_rollout, groups.rollout)
+    return groups
+
+
+def _join_weight_bridge(actor, rollout) -> None:
+    """Open the weight bridge between the actor's ranks (rank 0 sends) and the standalone rollout's."""
+    host, port = actor.rendezvous()
+    calls = [
+        actor.async_join_weight_bridge(host, port, rollout.world_size),
+        rollout.async_join_weight_bridge(host, port),
+    ]
+    for call in calls:
+        call.get()
 
 
 def build_reward_model_group(config: KetchConfig, model_path: str, total_updates: int) -> WorkerGroups:
@@ -78,21 +97,23 @@ def _build(config: KetchConfig, specs: dict[str, tuple]) -> WorkerGroups:
 
 
 def _ray_groups(config: KetchConfig, specs: dict[str, tuple]) -> WorkerGroups:
-    """The roles colocated in one group, except the critic (`trainer.placement=split`) and the reward model
-    (`reward.model.placement=split`), which then get a resource pool each."""
+    """The roles colocated in one group, except the critic (`trainer.placement=split`), the reward model
+    (`reward.model.placement=split`) and a standalone rollout, which then get a resource pool each (the rollout's
+    of `rollout.n_workers_per_node` processes per node)."""
     from ketch.controller.ray_group import RayClassWithInitArgs, RayWorkerGroup
     from ketch.controller.resource_pool import RayResourcePool
 
     t = config.trainer
     use_gpu = config.uses_gpu(torch.cuda.is_available())
     per_node = t.n_gpus_per_node if use_gpu else t.n_cpu_workers
-    placements = {"critic": t.placement, "reward_model": config.reward.model.placement}
+    placements = {"critic": t.placement, "reward_model": config.reward.model.placement, "rollout": "split"}
     split = [role for role in specs if placements.get(role) == "split" and len(specs) > 1]
-    connect_ray(t.ray_address, bundles=per_node * t.nnodes * (1 + len(split)))
+    sizes = {role: config.rollout.n_workers_per_node if role == "rollout" else per_node for role in specs}
+    connect_ray(t.ray_address, bundles=t.nnodes * (per_node + sum(sizes[role] for role in split)))
     groups = WorkerGroups()
     for pool_roles in ([role for role in specs if role not in split], *([role] for role in split)):
         name = "ketch" if "actor_rollout" in pool_roles else f"ketch-{pool_roles[0]}"
-        pool = RayResourcePool([per_node] * t.nnodes, use_gpu, name=name)
+        pool = RayResourcePool([sizes[pool_roles[0]]] * t.nnodes, use_gpu, name=name)
         group = RayWorkerGroup(pool, {r: RayClassWithInitArgs(*specs[r]) for r in pool_roles}, t.worker_timeout)
         for role in pool_roles:
             setattr(groups, role, group.role(role))

@@ -43,6 +43,7 @@ from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_g
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
+from ketch.trainer.standalone_rollout import StandaloneRollout
 from ketch.trainer.validation import generate_and_score, generation_inputs
 
 logger = logging.getLogger("ketch")
@@ -81,6 +82,7 @@ class PPOTrainer(TrainingLoop):
         self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
         self.warned_truncation = False
+        self.standalone: StandaloneRollout | None = None
 
     def _build_groups(self) -> WorkerGroups:
         p, steps = self.plan, self.total_steps
@@ -90,12 +92,17 @@ class PPOTrainer(TrainingLoop):
             self.config, self.model_path, p, actor_updates, critic_updates, self.reward_model_path
         )
         self.actor_rollout, self.critic, self.reward_model = groups.actor_rollout, groups.critic, groups.reward_model
+        self.generator = groups.rollout or groups.actor_rollout
+        if self.standalone is not None:  # the last groups' (a recovery builds new ones)
+            self.standalone.close()
+        check = self.config.rollout.check_weight_sync
+        self.standalone = StandaloneRollout(groups.actor_rollout, groups.rollout, check) if groups.rollout else None
         return groups
 
     def _train_step(self, batch: DataProto, step: int) -> dict[str, float]:
         timings: dict[str, float] = {}
         step_start = time.perf_counter()
-        batch, metrics = self._rollout(batch, step, timings)
+        batch, metrics = self._generated(batch, step, timings)
         if self.config.actor.old_log_prob_from_rollout:
             batch.batch["old_log_prob"] = batch.batch["rollout_log_probs"]
         elif recompute_old_log_prob(self.config, self.plan):
@@ -115,14 +122,32 @@ class PPOTrainer(TrainingLoop):
                 metrics |= self.critic.update_critic(batch).meta_info["metrics"]
         with _timed(timings, "update_actor"):
             metrics |= self.actor_rollout.update_actor(self._for_update(batch)).meta_info["metrics"]
+        if self.standalone is not None:
+            timings |= self.standalone.send_weights()
         timings["step"] = time.perf_counter() - step_start
         metrics |= kl_metrics | data_metrics(batch, self.config.data.max_response_length)
         metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
-        metrics |= throughput_metrics(batch, timings["step"], self.config.num_processes(torch.cuda.is_available()))
+        metrics |= throughput_metrics(batch, timings["step"], self._devices())
         metrics["training/epoch"] = batch.meta_info["epoch"]
         return metrics
 
     # ----------------------------------------------------------------- stages
+    def _generated(self, prompts: DataProto, step: int, timings: dict[str, float]) -> tuple[DataProto, dict]:
+        """This step's responses, scored. With `rollout.staleness=1` they were generated while the last step trained
+        (or are generated now, at the first step), and the next step's generation starts before this one trains."""
+        if not self.config.rollout.staleness:
+            return self._rollout(prompts, step, timings)
+        batch, metrics, produced = self.standalone.take(step, self._rollout_timed, prompts, step)
+        if step < self.total_steps:
+            self.standalone.start(step + 1, self._rollout_timed, self.loader.peek(), step + 1)
+        timings |= produced
+        return batch, metrics
+
+    def _rollout_timed(self, prompts: DataProto, step: int) -> tuple[DataProto, dict[str, float], dict[str, float]]:
+        """`_rollout` with its own timings, for a generation that runs while the driver does other work."""
+        timings: dict[str, float] = {}
+        return *self._rollout(prompts, step, timings), timings
+
     def _rollout(self, prompts: DataProto, step: int, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
         """Generate and score; with `algorithm.filter_groups`, rounds of prompts until the batch is informative."""
         c = self.config
@@ -154,10 +179,10 @@ class PPOTrainer(TrainingLoop):
     def _generate(self, batch: DataProto, step: int) -> DataProto:
         """Sample responses; for ReMax also the greedy response of each prompt, whose score is the baseline."""
         prompts = generation_inputs(batch)
-        batch = batch.union(self.actor_rollout.generate_sequences(prompts))
+        batch = batch.union(self.generator.generate_sequences(prompts))
         if self.config.algorithm.adv_estimator == "remax":
             prompts.meta_info["do_sample"] = False
-            greedy = batch.select(batch_keys=[]).union(self.actor_rollout.generate_sequences(prompts))
+            greedy = batch.select(batch_keys=[]).union(self.generator.generate_sequences(prompts))
             scores, _, _ = self._scores(greedy, update_stats=False)
             batch.batch["reward_baselines"] = scores.sum(-1)
         self._warn_if_all_truncated(batch, step)
@@ -240,11 +265,15 @@ class PPOTrainer(TrainingLoop):
     def _validate(self, step: int) -> dict[str, float]:
         """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""
         c = self.config
-        metrics = generate_and_score(
-            self.actor_rollout, self.val_set, self.reward, c.rollout.val, c.data.val_batch_size
-        )
+        metrics = generate_and_score(self.generator, self.val_set, self.reward, c.rollout.val, c.data.val_batch_size)
         self.val_history.append({"step": step, **metrics})
         return metrics
+
+    def _resume(self, checkpoint: Path | None) -> None:
+        """Restore the run from `checkpoint` (see `TrainingLoop`); a standalone rollout then gets the weights."""
+        super()._resume(checkpoint)
+        if checkpoint is not None and self.standalone is not None:
+            self.standalone.send_weights()
 
     def _extra_state(self) -> dict:
         return {"reward_mixer": self.mixer.state_dict()}
@@ -253,6 +282,11 @@ class PPOTrainer(TrainingLoop):
         self.mixer.load_state_dict(state.get("reward_mixer") or {})
 
     # ----------------------------------------------------------------- helpers
+    def _devices(self) -> int:
+        """The actor's processes, and a standalone rollout's: what per-device throughput divides by."""
+        gpu, c = torch.cuda.is_available(), self.config
+        return c.num_processes(gpu) + (c.rollout_processes(gpu) if self.standalone is not None else 0)
+
     def _warn_if_all_truncated(self, batch: DataProto, step: int) -> None:
         b = batch.batch
         if self.warned_truncation or self.config.rollout.ignore_eos:

@@ -5,6 +5,7 @@ to the rollout in memory."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from ketch.workers.common import (
     shuffle_seed,
     token_share,
 )
+from ketch.workers.weight_bridge import WeightBridge, specs_of
 
 
 class ActorRolloutRefWorker(DeviceMemory, Worker):
@@ -82,9 +84,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                 else None
             )
             self.hf_config = self.actor.module.lm.config
-        backend = build_rollout(c, self.model_path, self.tokenizer, self.dtype, self.device, c.trainer.seed + self.rank)
-        self.rollout = with_multi_turn(backend, c, self.tokenizer)  # the turn loop when rollout.multi_turn.enable
-        self._sync_rollout()
+        self.rollout, self.bridge = None, None
+        if c.rollout.placement == "hybrid":
+            seed = c.trainer.seed + self.rank
+            backend = build_rollout(c, self.model_path, self.tokenizer, self.dtype, self.device, seed)
+            self.rollout = with_multi_turn(backend, c, self.tokenizer)  # the turn loop when rollout.multi_turn.enable
+            self._sync_rollout()
 
     def _build_megatron_engines(self) -> None:
         """Actor (and reference) as Megatron-Core engines (`actor.strategy=megatron`; the reference follows)."""
@@ -162,7 +167,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             metrics["training/rollout_kl"] = metrics.pop("actor/rollout_kl")
             metrics["training/rollout_probs_diff_mean"] = metrics.pop("actor/rollout_probs_diff_mean")
             metrics["training/rollout_probs_diff_max"] = all_reduce_max(self.mismatch_max).item()
-        metrics["timing_s/weight_sync"] = self._sync_rollout()
+        if self.rollout is not None:  # a standalone rollout gets the weights when the driver sends them
+            metrics["timing_s/weight_sync"] = self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
 
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
@@ -234,15 +240,40 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             self._check_weight_sync()
         return seconds
 
-    def _check_weight_sync(self, name: str = "model.embed_tokens.weight") -> None:
+    def _check_weight_sync(self) -> None:
         """Compare one weight's norm in the rollout engine with the actor's (rollout.check_weight_sync)."""
+        check_weight_norms(self.rollout.weight_norm(CHECKED_WEIGHT), self.weight_norm(CHECKED_WEIGHT), CHECKED_WEIGHT)
+
+    @register(ONE_TO_ALL)
+    def weight_norm(self, name: str) -> float:
+        """The norm of one parameter of the actor, in the rollout's dtype."""
         full = self.actor.module.get_parameter(f"lm.{name}")
-        expected = (full.full_tensor() if hasattr(full, "full_tensor") else full).to(self.dtype).float().norm().item()
-        got = self.rollout.weight_norm(name)
-        if abs(got - expected) > 1e-3 * max(1.0, abs(expected)):
-            raise RuntimeError(
-                f"weight hand-off check failed: |{name}| is {got} in the rollout, {expected} in the actor"
-            )
+        return (full.full_tensor() if hasattr(full, "full_tensor") else full).to(self.dtype).float().norm().item()
+
+    # ----------------------------------------------------------------- a standalone rollout's weights
+    @register(ONE_TO_ALL)
+    def join_weight_bridge(self, host: str, port: int, rollout_processes: int) -> None:
+        """Rank 0 opens bridge rank 0 (of 1 + `rollout_processes`) at `host:port` and publishes the weights' specs;
+        every rank takes part in gathering them once."""
+        specs = specs_of(self._rollout_weights())
+        if self.rank == 0:
+            self.bridge = WeightBridge(host, port, 0, 1 + rollout_processes, self.device)
+            self.bridge.publish_specs(specs)
+
+    @register(ONE_TO_ALL)
+    def send_weights(self) -> float:
+        """Gather the full weights (every rank) and broadcast them to the standalone rollout (rank 0); returns the
+        seconds it took."""
+        start = time.perf_counter()
+        weights = self._rollout_weights()
+        if self.bridge is not None:
+            self.bridge.send(weights)
+        else:
+            deque(weights, maxlen=0)  # the other ranks' part of each gather
+        return time.perf_counter() - start
+
+    def _rollout_weights(self):
+        return self.actor.full_parameters(prefix="lm.", dtype=self.dtype)
 
     # ----------------------------------------------------------------- supervised fine-tuning
     @register(DP_COMPUTE_PROTO)
@@ -285,7 +316,20 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     def load_checkpoint(self, directory: str) -> None:
         """Restore what `save_checkpoint` wrote, then hand the weights to the rollout engine."""
         self.update_count = load_engine(self.actor, Path(directory))["update_count"]
-        self._sync_rollout()
+        if self.rollout is not None:
+            self._sync_rollout()
+
+
+CHECKED_WEIGHT = "model.embed_tokens.weight"
+"""The weight whose norm `rollout.check_weight_sync` compares between the actor and the rollout."""
+
+
+def check_weight_norms(rollout_norm: float, actor_norm: float, name: str) -> None:
+    """Raise when the rollout's norm of weight `name` is not the actor's (to 1e-3, relative above 1)."""
+    if abs(rollout_norm - actor_norm) > 1e-3 * max(1.0, abs(actor_norm)):
+        raise RuntimeError(
+            f"weight hand-off check failed: |{name}| is {rollout_norm} in the rollout, {actor_norm} in the actor"
+        )
 
 
 def as_next_token_batch(data: DataProto) -> DataProto:

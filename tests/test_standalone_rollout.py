@@ -1,0 +1,92 @@
+"""A rollout on processes of its own (`rollout.placement=standalone`) over Ray on CPUs: the weight bridge (gloo)
+hands it every update, and with `rollout.staleness=1` it generates the next step while this one trains.
+
+The KL between the rollout's log-probs and the actor's old log-probs of the same tokens (`training/rollout_kl`)
+tells which weights generated a batch: about 0 (float32 on one CPU) when they are the actor's current weights,
+clearly more when they are one update older."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from ketch.config import ConfigError, load_config
+from ketch.tracking import read_metrics
+from ketch.trainer.ppo import PPOTrainer
+
+pytestmark = pytest.mark.slow
+
+ON_POLICY_KL = 1e-6
+"""The rollout KL of responses from the actor's own weights: rounding only."""
+ONE_UPDATE_KL = 1e-3
+"""At least the rollout KL of responses from the weights before the last update, at this test's learning rate."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session():
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    yield
+    ray.shutdown()
+
+
+def standalone(tiny_config, *overrides: str):
+    return tiny_config(
+        "actor.optim.lr=5e-3",  # PPO with a critic: its advantages move the actor though the random model scores 0
+        "actor.recompute_old_log_prob=true",  # the rollout KL against a forward of the weights being trained
+        "rollout.placement=standalone",
+        "rollout.check_weight_sync=true",
+        "trainer.total_steps=3",
+        *overrides,
+    )
+
+
+def rollout_kl(trainer: PPOTrainer) -> list[float]:
+    return [r["training/rollout_kl"] for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "step" in r]
+
+
+def test_a_standalone_rollout_has_processes_of_its_own_and_generates_from_the_newest_weights(tiny_config):
+    trainer = PPOTrainer(standalone(tiny_config))
+    trainer.fit()
+    kl = rollout_kl(trainer)
+    assert len(kl) == 3 and max(kl) < ON_POLICY_KL, kl
+    assert (trainer.run_dir / "model" / "model.safetensors").exists()
+
+
+def test_staleness_one_trains_on_responses_from_the_weights_one_update_older(tiny_config):
+    trainer = PPOTrainer(standalone(tiny_config, "rollout.staleness=1", "trainer.save_freq=2"))
+    trainer.fit()
+    records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "step" in r]
+    kl = rollout_kl(trainer)
+    # step 1 is generated from the start's weights, which the actor still has; steps 2 and 3 were generated
+    # during steps 1 and 2, before those steps' updates
+    assert kl[0] < ON_POLICY_KL and min(kl[1:]) > ONE_UPDATE_KL, kl
+    assert all(r["timing_s/gen"] > 0 and r["timing_s/weight_sync"] > 0 for r in records)
+
+    # resumed from step 2: the rollout gets the checkpoint's weights and step 3 is generated afresh from them
+    resumed = PPOTrainer(standalone(tiny_config, "rollout.staleness=1", "trainer.total_steps=4"))
+    resumed._open()
+    resumed._resume(resumed.run_dir / "checkpoints" / "global_step_2")
+    metrics = resumed._train_step(resumed.loader.next_batch(), 3)
+    resumed.groups.shutdown()
+    assert metrics["training/rollout_kl"] < ON_POLICY_KL
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.placement=standalone", "trainer.backend=local"], "needs trainer.backend=ray"),
+        (["rollout.staleness=1"], "set rollout.placement=standalone"),
+        (
+            ["rollout.placement=standalone", "rollout.staleness=1", "algorithm.filter_groups.enable=true"],
+            "set rollout.staleness=0 with it",
+        ),
+        (["rollout.placement=standalone", "rollout.staleness=2"], r"rollout.staleness=2 .*\[0, 1\]"),
+        (
+            ["rollout.placement=standalone", "rollout.n_workers_per_node=2", "rollout.tensor_parallel_size=4"],
+            r"does not divide the 2 worker processes \(trainer.nnodes x rollout.n_workers_per_node\)",
+        ),
+    ],
+)
+def test_a_standalone_rollout_that_cannot_run_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=["rollout.n=2", *overrides])
