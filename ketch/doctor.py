@@ -77,10 +77,20 @@ def _torch(config: KetchConfig) -> list[Check]:
     if t.device == "cuda" and not gpus:
         fix = "install a CUDA build of torch on a machine with NVIDIA GPUs (pytorch.org), or set trainer.device=cpu"
         row = Check("GPUs", "FAIL", "trainer.device=cuda, but torch sees no GPU", fix)
-    elif config.uses_gpu(bool(gpus)) and t.n_gpus_per_node > len(gpus):
-        detail = f"trainer.n_gpus_per_node={t.n_gpus_per_node}, but this node has {len(gpus)}: {listed}"
-        row = Check("GPUs", "FAIL", detail, f"set trainer.n_gpus_per_node={len(gpus)} (or fewer)")
+    elif config.uses_gpu(bool(gpus)) and _gpus_per_node(config)[0] > len(gpus):
+        needed, keys = _gpus_per_node(config)
+        detail = f"{keys}: {needed} GPUs per node, but this node has {len(gpus)}: {listed}"
+        row = Check("GPUs", "FAIL", detail, f"lower them to {len(gpus)} GPUs in all")
     return [Check("torch", "ok", f"{torch.__version__} ({build})"), row]
+
+
+def _gpus_per_node(config: KetchConfig) -> tuple[int, str]:
+    """GPUs one node needs: the workers', and a standalone rollout's; and the keys that say so."""
+    t, r = config.trainer, config.rollout
+    if r.placement != "standalone":
+        return t.n_gpus_per_node, f"trainer.n_gpus_per_node={t.n_gpus_per_node}"
+    keys = f"trainer.n_gpus_per_node={t.n_gpus_per_node} + rollout.n_workers_per_node={r.n_workers_per_node}"
+    return t.n_gpus_per_node + r.n_workers_per_node, keys
 
 
 def _declared(distribution: str) -> SpecifierSet | None:

@@ -14,7 +14,8 @@ import yaml
 from packaging.version import Version
 
 from ketch.cli import main
-from ketch.doctor import format_table, run_checks
+from ketch.config import load_config
+from ketch.doctor import _gpus_per_node, format_table, run_checks
 from ketch.rollout.vllm_adapter import installed_version, is_supported
 
 
@@ -192,3 +193,9 @@ def test_a_running_ray_cluster_is_listed_node_by_node():
         cluster.shutdown()
     assert row.status == "ok" and row.detail.startswith(f"{address}: 2 node(s): ")
     assert sorted(part.split(": ")[-1] for part in row.detail.split("; ")) == ["1 CPU, 0 GPU", "2 CPU, 0 GPU"]
+
+
+def test_a_standalone_rollouts_gpus_count_toward_a_nodes():
+    assert _gpus_per_node(load_config(overrides=["trainer.n_gpus_per_node=2"])) == (2, "trainer.n_gpus_per_node=2")
+    standalone = load_config(overrides=["trainer.n_gpus_per_node=2", "rollout.placement=standalone"])
+    assert _gpus_per_node(standalone) == (3, "trainer.n_gpus_per_node=2 + rollout.n_workers_per_node=1")
