@@ -7,6 +7,12 @@ clearly more when they are one update older."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
+import time
+
 import pytest
 import ray
 
@@ -69,6 +75,28 @@ def test_staleness_one_trains_on_responses_from_the_weights_one_update_older(tin
     metrics = resumed._train_step(resumed.loader.next_batch(), 3)
     resumed.groups.shutdown()
     assert metrics["training/rollout_kl"] < ON_POLICY_KL
+
+
+def test_a_rollout_process_killed_while_it_generates_ahead_is_recovered_from(tiny_config):
+    overrides = ("rollout.staleness=1", "trainer.total_steps=4", "trainer.save_freq=1", "trainer.max_retries=1")
+    trainer = PPOTrainer(standalone(tiny_config, *overrides))
+
+    def kill_during_step_2() -> None:  # once step 3's generation has started, while step 2 trains
+        while not (trainer.step == 1 and getattr(trainer.standalone, "pending", None)):
+            time.sleep(0.001)
+        os.kill(trainer.groups.rollout.group.places[0]["pid"], signal.SIGKILL)
+
+    threading.Thread(target=kill_during_step_2, daemon=True).start()
+    trainer.fit()
+    assert [r["step"] for r in read_metrics(trainer.run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    events = [record for line in lines if "event" in (record := json.loads(line))]
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(f["step"], f["role"]) for f in failures] == [(2, "rollout")]
+    assert "WorkerDiedError" in failures[0]["error"]
+    assert [e["step"] for e in events if e["event"] == "recovery"] == [1]
+    # step 2 again, from the checkpoint of step 1: generated afresh from the actor's weights
+    assert rollout_kl(trainer)[1] < ON_POLICY_KL
 
 
 @pytest.mark.parametrize(

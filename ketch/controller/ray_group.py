@@ -109,6 +109,29 @@ class GroupCall:
         results = self.group.wait(self.role, self.method, self.refs)
         return self.layout.gather(self.registration.dispatch, [results[r] for r in sorted(results)], self.context)
 
+    def started_to_end(self) -> bool:
+        """Whether some rank has returned, raised or died, so that `get` will not wait on another group."""
+        done, _ = ray.wait(list(self.refs.values()), num_returns=1, timeout=0)
+        return bool(done)
+
+
+def get_together(calls: list[GroupCall], poll: float = 0.005) -> list[Any]:
+    """The results of calls on groups whose ranks wait on each other (a process group across the groups): each call
+    is collected once one of its ranks ends, so that a failure in either group surfaces at once rather than as the
+    other group's hang. Past the groups' timeout the first unfinished call's `get` reports it."""
+    results: dict[int, Any] = {}
+    deadline = min((c.group.timeout for c in calls if c.group.timeout is not None), default=None)
+    deadline = None if deadline is None else time.monotonic() + deadline
+    while len(results) < len(calls):
+        ended = [i for i, call in enumerate(calls) if i not in results and call.started_to_end()]
+        if not ended and deadline is not None and time.monotonic() > deadline:
+            ended = [min(set(range(len(calls))) - set(results))]
+        for i in ended:
+            results[i] = calls[i].get()
+        if not ended:
+            time.sleep(poll)
+    return [results[i] for i in range(len(calls))]
+
 
 class RayWorkerGroup:
     """Starts one `WorkerHost` per slot of `pool` with the environment torch.distributed needs.

@@ -83,7 +83,7 @@ class RewardScorer:
         scorers = self._resolve_scorers(sources)
         shown = _trajectory_mask(data, mask).bool().cpu()
         token_ids = [row[valid].tolist() for row, valid in zip(responses.cpu(), shown, strict=True)]
-        texts = self.tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+        texts = decode_rows(self.tokenizer, token_ids)
         scores = np.zeros(len(texts), dtype=np.float64)
         extras: list[dict[str, Any]] = [{} for _ in texts]
         num_errors = 0
@@ -221,6 +221,20 @@ def _columns(data: DataProto) -> tuple[list[str], np.ndarray, np.ndarray]:
         trajectory = zip(extra_info, *(columns[k] for k in keys), strict=True)
         extra_info = object_array([{**(e or {}), **dict(zip(keys, values, strict=True))} for e, *values in trajectory])
     return [str(s) for s in columns["data_source"]], columns["ground_truth"], extra_info
+
+
+def decode_rows(tokenizer: PreTrainedTokenizerBase, token_ids: list[list[int]]) -> list[str]:
+    """`tokenizer.batch_decode(token_ids, skip_special_tokens=True)`. A fast tokenizer that neither overrides its
+    decoding nor cleans up spaces (most) decodes the whole batch in one call of its Rust backend, in parallel."""
+    from transformers import PreTrainedTokenizerFast
+
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return tokenizer.backend_tokenizer.decode_batch(token_ids, skip_special_tokens=True)
+    return tokenizer.batch_decode(token_ids, skip_special_tokens=True)
 
 
 def _trajectory_mask(data: DataProto, response_mask: torch.Tensor) -> torch.Tensor:

@@ -68,13 +68,12 @@ def build_worker_groups(
 
 def _join_weight_bridge(actor, rollout) -> None:
     """Open the weight bridge between the actor's ranks (rank 0 sends) and the standalone rollout's."""
+    from ketch.controller.ray_group import get_together
+
     host, port = actor.rendezvous()
-    calls = [
-        actor.async_join_weight_bridge(host, port, rollout.world_size),
-        rollout.async_join_weight_bridge(host, port),
-    ]
-    for call in calls:
-        call.get()
+    get_together(
+        [actor.async_join_weight_bridge(host, port, rollout.world_size), rollout.async_join_weight_bridge(host, port)]
+    )
 
 
 def build_reward_model_group(config: KetchConfig, model_path: str, total_updates: int) -> WorkerGroups:

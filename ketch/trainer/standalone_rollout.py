@@ -43,13 +43,13 @@ class StandaloneRollout:
     def send_weights(self) -> dict[str, float]:
         """Wait for a generation in flight (it finishes with the weights it began with), then move the actor's
         weights to the rollout; returns the seconds of each (`wait_gen`, `weight_sync`)."""
+        from ketch.controller.ray_group import get_together  # Ray is imported where it is used
+
         start = time.perf_counter()
         if self.pending is not None:
             self.pending[1].result()
         sent = time.perf_counter()
-        calls = [self.actor.async_send_weights(), self.rollout.async_receive_weights()]
-        for call in calls:
-            call.get()
+        get_together([self.actor.async_send_weights(), self.rollout.async_receive_weights()])
         if self.check_weight_sync:
             actor_norm = self.actor.weight_norm(CHECKED_WEIGHT)[0]
             for norm in self.rollout.weight_norm(CHECKED_WEIGHT):

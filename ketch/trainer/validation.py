@@ -11,6 +11,7 @@ import numpy as np
 from ketch.config.schema import ValSamplingConfig
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
+from ketch.rewards.scorer import decode_rows
 from ketch.rollout.multi_turn.metrics import trajectory_metrics
 from ketch.trainer.metrics import validation_metrics
 
@@ -83,7 +84,7 @@ def _prompt_texts(prompts: DataProto, tokenizer) -> list[str]:
     """The prompts as the model saw them (special tokens dropped), padding removed."""
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
     rows = [row[keep].tolist() for row, keep in zip(ids, mask, strict=True)]
-    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return decode_rows(tokenizer, rows)
 
 
 def _sample_rows(data: DataProto, info: dict[str, Any], prompts: list[str], n: int) -> list[dict[str, Any]]:
