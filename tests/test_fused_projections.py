@@ -8,7 +8,16 @@ import copy
 import pytest
 import torch
 from greedy import generate_greedy
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from ketch.rollout.fused_projections import fuse_projections
 from ketch.rollout.static_decoding import Sampling, StaticDecoder, transformer_blocks
@@ -19,21 +28,20 @@ SIZES = dict(
 
 
 def tiny(kind: str) -> torch.nn.Module:
-    """A random 2-layer model with 2 key/value heads: Qwen2 (q/k/v biases, a sliding window of 3 tokens in its
-    second layer), Llama (no biases) or Qwen3 (query/key norms)."""
+    """A random 2-layer model with 2 key/value heads: Qwen2 (q/k/v biases) or Qwen3 (query/key norms), each with a
+    sliding window of 3 tokens in its second layer, Llama (no biases) or Gemma (an architecture not fused)."""
     torch.manual_seed(0)
-    if kind == "qwen2":
-        config = Qwen2Config(
-            **SIZES, num_key_value_heads=2, use_sliding_window=True, sliding_window=3, max_window_layers=1
-        )
+    window = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
+    if kind in ("qwen2", "qwen3"):
+        config = (Qwen2Config if kind == "qwen2" else Qwen3Config)(**SIZES, num_key_value_heads=2, **window)
         assert config.layer_types == ["full_attention", "sliding_attention"]
-        return Qwen2ForCausalLM(config).eval()
+        return (Qwen2ForCausalLM if kind == "qwen2" else Qwen3ForCausalLM)(config).eval()
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**SIZES, num_key_value_heads=2)).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**SIZES, num_key_value_heads=2)).eval()
+    return GemmaForCausalLM(GemmaConfig(**SIZES, num_key_value_heads=2)).eval()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "qwen3"])
 def test_fused_decoding_matches_generate_after_a_weight_update(kind):
     model = tiny(kind)
     reference = copy.deepcopy(model)
@@ -60,11 +68,11 @@ def test_fused_decoding_matches_generate_after_a_weight_update(kind):
 
 
 def test_fusing_twice_or_an_unknown_architecture_changes_nothing():
-    """Two groups per known layer, fused once (a second decoder on the same model finds them fused); Qwen3's
-    attention (query/key norms) is not a known class, its MLP is not either: left as they are."""
+    """Two groups per known layer, fused once (a second decoder on the same model finds them fused); Gemma's
+    attention and MLP are not known classes: left as they are."""
     model = tiny("llama")
     assert fuse_projections(transformer_blocks(model)) == 4
     assert fuse_projections(transformer_blocks(model)) == 0
-    qwen3 = tiny("qwen3")
-    assert fuse_projections(transformer_blocks(qwen3)) == 0
-    assert type(qwen3.model.layers[0].self_attn).__name__ == "Qwen3Attention"
+    gemma = tiny("gemma")
+    assert fuse_projections(transformer_blocks(gemma)) == 0
+    assert type(gemma.model.layers[0].self_attn).__name__ == "GemmaAttention"

@@ -113,11 +113,12 @@ def _rank(
     exported = dict(engine.full_parameters(dtype=torch.float32))
     engine.save_checkpoint(Path(out) / "ckpt", {"update_count": 0})
     metrics = engine.train_mini_batch(mine.split(3), policy_loss)  # uneven: the pipeline pads with loss-free rows
+    stepped = {name: tensor.clone() for name, tensor in engine.full_parameters(dtype=torch.float32)}  # may be views
     after = engine.infer(mine, 2)["log_prob"]
     restored = engine.load_checkpoint(Path(out) / "ckpt")
     again = engine.infer(mine, None)["log_prob"]  # one micro-batch (the interleaved schedule gets a filler)
     result = (dp_rank, before, metrics, after, torch.equal(again, before["log_prob"]), restored)
-    torch.save((*result, exported if rank == 0 else None), f"{out}/{rank}.pt")
+    torch.save((*result, (exported, stepped) if rank == 0 else None), f"{out}/{rank}.pt")
     end_rank()
 
 
@@ -135,26 +136,53 @@ def reference(model_dir: Path) -> tuple[dict, float, float, torch.Tensor, dict]:
     loss.backward()
     grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item()
     weights = {k: v.detach().clone() for k, v in model.lm.state_dict().items()}
-    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0).step()  # OptimConfig's default
     with torch.no_grad():
         after = model(*inputs)["log_prob"]
-    return {k: v.detach() for k, v in out.items()}, loss.item(), grad_norm, after, weights
+    stepped = {k: v.detach().clone() for k, v in model.lm.state_dict().items()}
+    return {k: v.detach() for k, v in out.items()}, loss.item(), grad_norm, after, (weights, stepped)
+
+
+def tiny_qwen3(path: Path, layers: int) -> Path:
+    """A random Qwen3 (query/key head norms drawn, not ones; heads of 16 over a hidden size of 32; untied)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4}
+    model = Qwen3ForCausalLM(Qwen3Config(**sizes, num_key_value_heads=2, head_dim=16, vocab_size=100))
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                weight.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("megatron", "recompute", "world", "layers", "port"),
+    ("model", "megatron", "recompute", "world", "layers", "port"),
     [
-        (MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), False, 4, 2, 29621),  # TP 2 x DP 2
-        (MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), True, 2, 4, 29622),
+        ("qwen2", MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), False, 4, 2, 29621),
+        (
+            "qwen2",
+            MegatronConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+            True,
+            2,
+            4,
+            29622,
+        ),
+        ("qwen3", MegatronConfig(tensor_model_parallel_size=2), False, 2, 2, 29623),
     ],
-    ids=["tp2-sp-dp2", "pp2-vpp2-recompute"],
+    ids=["tp2-sp-dp2", "pp2-vpp2-recompute", "qwen3-tp2"],
 )
-def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, recompute, world, layers, port):
-    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": layers, "max_positions": 64}
-    model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)  # tied embeddings, GQA 4/2
+def test_megatron_engine_matches_the_hf_model(tmp_path, model, megatron, recompute, world, layers, port):
+    if model == "qwen3":  # the head norms' gradients are summed over the tensor ranks, each normalizing its heads
+        model_dir = tiny_qwen3(tmp_path / "model", layers)
+    else:  # tied embeddings, GQA 4/2
+        sizes = {"hidden_size": 32, "intermediate_size": 64, "num_layers": layers, "max_positions": 64}
+        model_dir = save_tiny_model(tmp_path / "model", build_char_tokenizer(), **sizes)
     mp.start_processes(_rank, args=(world, megatron, recompute, str(model_dir), port, str(tmp_path)), nprocs=world)
-    out, loss, grad_norm, after, weights = reference(model_dir)
+    out, loss, grad_norm, after, (weights, stepped) = reference(model_dir)
     mask = batch(100).batch["response_mask"].bool()
     dp_size = world // megatron.model_parallel_size
     for rank in range(world):
@@ -170,16 +198,23 @@ def test_megatron_engine_matches_the_hf_model(tmp_path, megatron, recompute, wor
         torch.testing.assert_close(after_step[m], after[rows][m], rtol=0, atol=1e-4)
         assert restored and extra == {"update_count": 0}
         if exported is not None:
+            exported, exported_stepped = exported
             assert exported.keys() == weights.keys()
             assert all(torch.equal(exported[k], weights[k]) for k in weights)
+            # AdamW's first step moves each weight by about the learning rate along its gradient's sign, whatever
+            # the gradient's size: a gradient with part of its sum missing (a head norm's) moves some the other way
+            moved = {k: (exported_stepped[k] - stepped[k]).abs().max().item() for k in weights}
+            assert max(moved.values()) < 1e-5, {k: v for k, v in moved.items() if v > 1e-5}
     # `ketch export`'s merge of the checkpoint (written before the update) on the CPU, without a process group
     from transformers import AutoConfig
 
     from ketch.engine.export import load_checkpoint_state
 
-    AutoConfig.from_pretrained(model_dir).save_pretrained(tmp_path / "ckpt" / "hf")
+    config = AutoConfig.from_pretrained(model_dir)
+    config.save_pretrained(tmp_path / "ckpt" / "hf")
     merged = load_checkpoint_state(tmp_path / "ckpt")
-    assert merged.keys() == weights.keys() - {"lm_head.weight"}  # tied: written once, as the embedding
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: written once, as the embedding
+    assert merged.keys() == weights.keys() - tied
     assert all(torch.equal(merged[k], weights[k]) for k in merged)
 
 

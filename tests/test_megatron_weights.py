@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from spawned import end_rank
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'ketch[megatron]')")
 
@@ -36,6 +36,14 @@ def hf_model(kind: str, tied: bool, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**SIZES, num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tied))
+    if kind == "qwen3":  # head_dim 16: the heads are wider than hidden / heads; the head norms drawn, not ones
+        config = Qwen3Config(**SIZES, num_key_value_heads=2, head_dim=16, vocab_size=64, tie_word_embeddings=tied)
+        model = Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    weight.uniform_(0.5, 1.5)
+        return model
     config = LlamaConfig(**SIZES, num_key_value_heads=2, vocab_size=64, tie_word_embeddings=tied, rope_theta=5e5)
     return LlamaForCausalLM(config)
 
@@ -68,12 +76,14 @@ def test_interleaved_pipeline_places_layers_like_megatron():
     assert placed == {(0, 0): [0, 1], (1, 0): [2, 3], (0, 1): [4, 5], (1, 1): [6, 7]}
 
 
-@pytest.mark.parametrize(("kind", "tied"), [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)])
+@pytest.mark.parametrize(
+    ("kind", "tied"), [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", True)]
+)
 def test_round_trip_through_tp2_pp2_shards_is_bit_exact(kind, tied):
     model = hf_model(kind, tied)
     hf = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     shape = ModelShape.from_hf(model.config)
-    assert shape.qkv_bias == (kind == "qwen2")
+    assert (shape.qkv_bias, shape.qk_norm) == (kind == "qwen2", kind == "qwen3")
     chunks = hf_to_megatron(hf, shape, Parallel(tp=2, pp=2))
     # first stage: embedding + layers 0, 1; last stage: layers 2, 3 (numbered 0, 1 there), norm, output layer
     first, last = chunks[(0, 0, 1)], chunks[(1, 0, 1)]
@@ -84,6 +94,10 @@ def test_round_trip_through_tp2_pp2_shards_is_bit_exact(kind, tied):
     assert torch.equal(
         last["decoder.layers.0.mlp.linear_fc2.weight"], hf["model.layers.2.mlp.down_proj.weight"][:, 24:]
     )
+    if kind == "qwen3":  # one norm weight per head dimension, whole on every tensor rank
+        for tp_rank in range(2):
+            norm = chunks[(1, 0, tp_rank)]["decoder.layers.1.self_attention.k_layernorm.weight"]
+            assert torch.equal(norm, hf["model.layers.3.self_attn.k_norm.weight"]) and norm.shape == (16,)
     back = megatron_to_hf(chunks, shape, Parallel(tp=2, pp=2))
     full = hf_to_megatron(hf, shape, Parallel())[(0, 0, 0)]
     assert all(tuple(t.shape) == shape.full_shape(_global_name(n)) for n, t in full.items())
@@ -160,9 +174,11 @@ def test_unmapped_architectures_are_refused_by_name():
         ModelShape.from_hf(type("C", (), {"model_type": "gpt2"})())
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         ModelShape.from_hf(LlamaConfig(**SIZES, attention_bias=True))
+    with pytest.raises(UnsupportedModelError, match="qwen3 with attention_bias"):
+        ModelShape.from_hf(Qwen3Config(**SIZES, attention_bias=True))
 
 
-MODELS = (("qwen2", False), ("llama", True))
+MODELS = (("qwen2", False), ("llama", True), ("qwen3", False))
 """The chunk-layout cases, both on a TP=2 x PP=2 grid (one set of processes): untied, and tied (whose last
 stage holds its own copy of the embedding as the output layer)."""
 

@@ -10,7 +10,8 @@
 #   scaling    ketch GRPO on one GPU (16 prompts, and 8: one GPU's half of the strong-scaling run) and on two
 #              (16 and 32 prompts), then the weight hand-off at 1 and 2 processes
 #   standalone ketch GRPO, 16 prompts, on one GPU, then with the rollout on the second GPU (rollout.placement=
-#              standalone): from the newest weights (staleness 0), and one step ahead (staleness 1); the NCCL bridge
+#              standalone): one step ahead (staleness 1) with 16 prompts (strong scaling) and 32 (weak), from the
+#              newest weights (staleness 0) with 16; then the NCCL bridge test
 # Results (JSON) go to $OUT, each stage's logs to $OUT/logs_STAGE.tgz. Set-up first (megatron-core from .whl/,
 # Ray from .carry/):
 #   mkdir -p /tmp/site && tar xJf .carry/ray-py312.txz -C /tmp/site && python3 -m pip install -q --no-index \
@@ -47,9 +48,10 @@ scaling)
   stage handoff 60 python3 benchmarks/weight_handoff.py --scale 0.5b --world 1 2 --out "$OUT/${date}_h200x2_weight_handoff.json" ;;
 standalone)
   CUDA_VISIBLE_DEVICES=0 stage grpo_1gpu 100 $step --out "$OUT/${date}_h200x2_ketch_grpo_1gpu.json"
-  for staleness in 0 1; do
-    stage "standalone_$staleness" 150 $step --set rollout.placement=standalone rollout.staleness=$staleness \
-      --out "$OUT/${date}_h200x2_ketch_grpo_standalone_staleness$staleness.json"
+  for run in "1 16 130" "1 32 140" "0 16 130"; do
+    read -r staleness prompts limit <<< "$run"
+    stage "standalone_${staleness}_$prompts" $limit $step --prompts $prompts --set rollout.placement=standalone \
+      rollout.staleness=$staleness --out "$OUT/${date}_h200x2_ketch_grpo_standalone_staleness${staleness}_${prompts}prompts.json"
   done
   stage bridge 60 python3 -m pytest tests/gpu/test_weight_bridge_gpu.py -q -p no:cacheprovider ;;
 *) echo "unknown stage $1"; exit 2 ;;

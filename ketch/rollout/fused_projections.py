@@ -16,6 +16,7 @@ from torch import nn
 from transformers.models.llama import modeling_llama as llama
 from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from ketch.rollout.decode_attention import cached_attention
 
@@ -27,13 +28,15 @@ def fused_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The Llama/Qwen2/Mistral attention on `hidden_states` `[batch, new, hidden]` with one matmul for q, k and v,
-    through the static decoder's `cached_attention`; returns `[batch, new, hidden]`."""
+    """The Llama/Qwen2/Qwen3/Mistral attention on `hidden_states` `[batch, new, hidden]` with one matmul for q, k and
+    v (Qwen3 then normalizes each query and key head), through the static decoder's `cached_attention`; returns
+    `[batch, new, hidden]`."""
     batch_new = hidden_states.shape[:-1]
     qkv = nn.functional.linear(hidden_states, attention.qkv_weight, attention.qkv_bias)
-    query, key, value = (
-        part.view(*batch_new, -1, attention.head_dim).transpose(1, 2) for part in qkv.split(attention.qkv_sizes, dim=-1)
-    )
+    query, key, value = (part.view(*batch_new, -1, attention.head_dim) for part in qkv.split(attention.qkv_sizes, -1))
+    if hasattr(attention, "q_norm"):
+        query, key = attention.q_norm(query), attention.k_norm(key)
+    query, key, value = (x.transpose(1, 2) for x in (query, key, value))
     query, key = attention.rotary(query, key, *position_embeddings)
     out, _ = cached_attention(
         attention, query, key, value, attention_mask, scaling=attention.scaling, **attention.window, **kwargs
@@ -59,6 +62,10 @@ class FusedMistralAttention(mistral.MistralAttention):
     forward, rotary = fused_attention_forward, staticmethod(mistral.apply_rotary_pos_emb)
 
 
+class FusedQwen3Attention(qwen3.Qwen3Attention):
+    forward, rotary = fused_attention_forward, staticmethod(qwen3.apply_rotary_pos_emb)
+
+
 class FusedLlamaMLP(llama.LlamaMLP):
     forward = fused_mlp_forward
 
@@ -71,15 +78,25 @@ class FusedMistralMLP(mistral.MistralMLP):
     forward = fused_mlp_forward
 
 
+class FusedQwen3MLP(qwen3.Qwen3MLP):
+    forward = fused_mlp_forward
+
+
 ATTENTIONS = {
     llama.LlamaAttention: (FusedLlamaAttention, lambda attention: None),
     qwen2.Qwen2Attention: (FusedQwen2Attention, lambda attention: attention.sliding_window),
     mistral.MistralAttention: (FusedMistralAttention, lambda a: getattr(a.config, "sliding_window", None)),
+    qwen3.Qwen3Attention: (FusedQwen3Attention, lambda attention: attention.sliding_window),
 }
 """The attention classes whose forward `fused_attention_forward` reproduces: the fused class, and where each
-finds its sliding window (Qwen2 per layer, Mistral the same for every layer, Llama none)."""
+finds its sliding window (Qwen2 and Qwen3 per layer, Mistral the same for every layer, Llama none)."""
 
-MLPS = {llama.LlamaMLP: FusedLlamaMLP, qwen2.Qwen2MLP: FusedQwen2MLP, mistral.MistralMLP: FusedMistralMLP}
+MLPS = {
+    llama.LlamaMLP: FusedLlamaMLP,
+    qwen2.Qwen2MLP: FusedQwen2MLP,
+    mistral.MistralMLP: FusedMistralMLP,
+    qwen3.Qwen3MLP: FusedQwen3MLP,
+}
 """The MLP classes whose forward is `down_proj(act_fn(gate_proj(x)) * up_proj(x))`."""
 
 

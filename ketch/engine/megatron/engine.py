@@ -328,17 +328,18 @@ class MegatronEngine:
         return ", ".join(bad[:show]) + (f" and {len(bad) - show} more" if len(bad) > show else "") or "none"
 
     def _reduce_gradients(self) -> None:
-        """Sum over data-parallel ranks; sequence-parallel norms over tensor ranks; tied embedding copies over
-        the first and last pipeline stages."""
+        """Sum over data-parallel ranks; norms whose gradient each tensor rank has only part of (sequence
+        parallelism, Qwen3's head norms) over tensor ranks; tied embedding copies over the first and last pipeline
+        stages."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if mpu.get_data_parallel_world_size() > 1 and grads:
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=mpu.get_data_parallel_group())
             for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(synced)
-        if self.config.sequence_parallel:
+        if self.parallel.tp > 1:
             for p in self.params:
-                if getattr(p, "sequence_parallel", False) and p.grad is not None:
+                if getattr(p, "partial_over_tensor_ranks", False) and p.grad is not None:
                     dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
         if self.shape.tied and self.parallel.pp > 1 and mpu.is_rank_in_embedding_group():
             chunk = self.chunks[0] if self.pp_rank == 0 else self.chunks[-1]

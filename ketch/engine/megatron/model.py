@@ -1,4 +1,4 @@
-"""An HF Llama/Qwen2 config as a Megatron-Core `TransformerConfig` and the `GPTModel` chunks of this rank.
+"""An HF Llama/Qwen2/Qwen3 config as a Megatron-Core `TransformerConfig` and the `GPTModel` chunks of this rank.
 
 Only Megatron-Core's own modules are used (its local layer spec: Megatron's dot-product attention, with the
 torch RMSNorm below), so neither Transformer Engine nor Apex is needed.
@@ -26,7 +26,7 @@ from ketch.engine.megatron.weights import ModelShape, rope_settings
 
 
 def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dtype) -> TransformerConfig:
-    """The Megatron-Core config of an HF Llama/Qwen2 config, with `megatron`'s parallel sizes. Parameters (and
+    """The Megatron-Core config of an HF Llama/Qwen2/Qwen3 config, with `megatron`'s parallel sizes. Parameters (and
     activations between pipeline stages) stay float32; with `dtype` bfloat16/float16 the schedules run the
     forward under autocast (as the FSDP engine's mixed precision). Activation recomputation is not Megatron's
     (`recompute_layers`)."""
@@ -44,6 +44,7 @@ def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dt
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         tensor_model_parallel_size=megatron.tensor_model_parallel_size,
@@ -121,16 +122,33 @@ class ValueHead(torch.nn.Linear):
 class RMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm, built as Megatron builds its norms. It acts position by position, so it runs on
     sequence-parallel activations as well (Megatron's own torch wrapper refuses them); its weight is then
-    flagged `sequence_parallel` so that the engine sums its gradient over the tensor ranks."""
+    flagged `partial_over_tensor_ranks`: each rank's gradient covers only its positions, and the engine sums
+    them over the tensor ranks."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: Any):
         super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.partial_over_tensor_ranks = config.sequence_parallel
+
+
+class HeadNorm(RMSNorm):
+    """Qwen3's query or key norm over each head's dimensions: a rank normalizes only its own heads, so its
+    gradient is partial whatever the sequence parallelism."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused: Any):
+        super().__init__(config, hidden_size, eps)
+        self.weight.partial_over_tensor_ranks = True
 
 
 def block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None) -> TransformerBlockSubmodules:
-    """The local layer spec with `RMSNorm` before attention, before the MLP and after the last layer."""
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    """The local layer spec with `RMSNorm` before attention, before the MLP and after the last layer (and
+    `HeadNorm` on queries and keys with `qk_layernorm`)."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    if config.qk_layernorm:
+        attention = layer.submodules.self_attention
+        heads = replace(attention.submodules, q_layernorm=HeadNorm, k_layernorm=HeadNorm)
+        layer = replace(
+            layer, submodules=replace(layer.submodules, self_attention=replace(attention, submodules=heads))
+        )
     layer = replace(layer, submodules=replace(layer.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm))
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=RMSNorm)

@@ -1,8 +1,9 @@
-"""Hugging Face Llama/Qwen2 weights ↔ Megatron-Core GPTModel (local layer spec) weights, sharded by rank, and
-what of an HF config the mapping needs (shape, RoPE) or cannot express.
+"""Hugging Face Llama/Qwen2/Qwen3 weights ↔ Megatron-Core GPTModel (local layer spec) weights, sharded by rank,
+and what of an HF config the mapping needs (shape, RoPE) or cannot express.
 
-Pure tensor bookkeeping (no megatron import), so it is tested on a CPU and checked at start-up. Megatron
-differs from HF in four ways:
+Pure tensor bookkeeping (no megatron import), so it is tested on a CPU and checked at start-up. Qwen3's query and
+key norms (one RMSNorm weight over a head's dimensions each, shared by all heads) are Megatron's `q_layernorm` and
+`k_layernorm`, replicated over tensor ranks. Megatron differs from HF in four ways:
 
 - **Fused QKV.** `linear_qkv` stacks, for each key/value group g, that group's query heads, then its key head,
   then its value head: rows `[q_g0 .. q_g(h/G-1), k_g, v_g] x head_dim` for g = 0..G-1 (G = key/value heads).
@@ -43,6 +44,8 @@ LAYER = {
         "self_attn.v_proj.weight",
     ],
     "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
+    "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
     "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
@@ -79,6 +82,8 @@ class ModelShape:
     head_dim: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each query and key head."""
     hidden: int = 0
     ffn: int = 0
     vocab: int = 0
@@ -90,10 +95,14 @@ class ModelShape:
         """Read an HF config (`value_head`: of a `*ForTokenClassification` critic); raises `UnsupportedModelError`
         for what the local Megatron spec cannot express."""
         kind = config.model_type
-        if kind not in ("llama", "qwen2"):
-            raise UnsupportedModelError(f"strategy=megatron maps Llama and Qwen2 models, not model_type={kind!r}")
-        if kind == "llama" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
-            raise UnsupportedModelError("strategy=megatron: Llama with attention_bias or mlp_bias is not mapped")
+        if kind not in ("llama", "qwen2", "qwen3"):
+            raise UnsupportedModelError(
+                f"strategy=megatron maps Llama, Qwen2 and Qwen3 models, not model_type={kind!r}"
+            )
+        if kind != "qwen2" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
+            raise UnsupportedModelError(
+                f"strategy=megatron: {kind} with attention_bias or mlp_bias (an o_proj or MLP bias) is not mapped"
+            )
         heads = config.num_attention_heads
         return cls(
             num_layers=config.num_hidden_layers,
@@ -102,10 +111,20 @@ class ModelShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             tied=bool(config.tie_word_embeddings) and not value_head,
             qkv_bias=kind == "qwen2",
+            qk_norm=kind == "qwen3",
             hidden=config.hidden_size,
             ffn=config.intermediate_size,
             vocab=config.vocab_size,
             value_head=value_head,
+        )
+
+    def has(self, layer_name: str) -> bool:
+        """Whether this model's layers have the Megatron weight `layer_name` (its QKV bias, its q/k norms)."""
+        if layer_name == "self_attention.linear_qkv.bias":
+            return self.qkv_bias
+        return self.qk_norm or layer_name not in (
+            "self_attention.q_layernorm.weight",
+            "self_attention.k_layernorm.weight",
         )
 
     def kind(self, megatron_name: str) -> Kind:
@@ -125,6 +144,8 @@ class ModelShape:
             "pre_mlp_layernorm.weight": (self.hidden,),
             "self_attention.linear_qkv.weight": (qkv, self.hidden),
             "self_attention.linear_qkv.bias": (qkv,),
+            "self_attention.q_layernorm.weight": (self.head_dim,),
+            "self_attention.k_layernorm.weight": (self.head_dim,),
             "self_attention.linear_proj.weight": (self.hidden, self.num_heads * self.head_dim),
             "mlp.linear_fc1.weight": (2 * self.ffn, self.hidden),
             "mlp.linear_fc2.weight": (self.hidden, self.ffn),
@@ -259,7 +280,7 @@ def chunk_names(
     """(chunk-local Megatron name, per-layer or global name, global layer or None) of one model chunk's weights."""
     if parallel.is_first(pp_rank, vp_stage):
         yield "embedding.word_embeddings.weight", "embedding.word_embeddings.weight", None
-    layer_names = [n for n in LAYER if shape.qkv_bias or n != "self_attention.linear_qkv.bias"]
+    layer_names = [n for n in LAYER if shape.has(n)]
     for local, layer in enumerate(parallel.layers(shape.num_layers, pp_rank, vp_stage)):
         for name in layer_names:
             yield f"decoder.layers.{local}.{name}", name, layer
