@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpu_models import tiny_decoder
 
 HERE = Path(__file__).parent
 
@@ -24,20 +25,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def tiny_qwen2() -> torch.nn.Module:
-    """A random 2-layer Qwen2 on the GPU in float32, head size 64 (the decode kernel's), vocabulary of 512."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).cuda().eval()
+    return tiny_decoder("qwen2")
 
 
 def pytest_configure(config):

@@ -1,11 +1,12 @@
 """On one GPU: the Triton decode-attention kernel against PyTorch's attention at the head sizes of the benchmark
 models (64: Qwen2.5-0.5B, 128: Qwen2.5-7B), and the compiled static decoder (fused projections, the kernel, one
-CUDA graph per token) against transformers' `generate` on a random Qwen2 in float32."""
+CUDA graph per token) against transformers' `generate` on a random Qwen2 and Qwen3 in float32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gpu_models import tiny_decoder
 from greedy import generate_greedy
 
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
@@ -37,9 +38,11 @@ def test_kernel_matches_attention_over_the_filled_slots(head_dim, dtype):
         assert error <= 2 * sdpa_error + 1e-3, (error, sdpa_error)
 
 
-def test_compiled_static_decoding_gives_generates_greedy_tokens(tiny_qwen2):
-    """A 2-layer Qwen2 with head size 64 (so the kernel runs), left-padded prompts, 24 new tokens; float32."""
-    model = tiny_qwen2
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_compiled_static_decoding_gives_generates_greedy_tokens(family):
+    """A 2-layer Qwen2 or Qwen3 (fused projections, head norms) with head size 64 (so the kernel runs), left-padded
+    prompts, 24 new tokens; float32."""
+    model = tiny_decoder(family)
     g = torch.Generator().manual_seed(1)
     input_ids = torch.randint(4, 512, (4, 20), generator=g).cuda()
     mask = torch.ones_like(input_ids)

@@ -3,8 +3,9 @@ GPU, with TP=2 (also with sequence parallelism and activation recomputation unde
 GPUs give the same log-probs, first-update `pg_loss` and `grad_norm`, within bf16 tolerances.
 
 The model has the Qwen2.5-0.5B shape (24 layers, width 896, 14 query / 2 key-value heads, tied 151,936-token
-vocabulary) with random weights stored in bf16, so both engines start from identical values. With
-KETCH_GPU_RESULTS=<dir> the measured differences are written there as JSON.
+vocabulary) with random weights stored in bf16, so both engines start from identical values; the Qwen3-0.6B shape
+(28 layers, width 1,024, 16 query / 8 key-value heads of 128, query/key head norms) runs without model parallelism
+and with TP=2. With KETCH_GPU_RESULTS=<dir> the measured differences are written there as JSON.
 """
 
 from __future__ import annotations
@@ -27,26 +28,40 @@ TOLERANCE = {"log_prob_mean_abs": 0.02, "pg_loss_rel": 0.02, "grad_norm_rel": 0.
 """bf16 compute (FSDP: bf16 parameters; Megatron: float32 parameters under bf16 autocast) against each other."""
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def save_model(family: str, path: Path) -> Path:
+    """The Qwen2.5-0.5B or Qwen3-0.6B shape with random weights (Qwen3's head norms drawn too), stored in bf16."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-    )
+    common = {"vocab_size": 151936, "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("qwen2.5-0.5b-shape")
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    if family == "qwen2":
+        sizes = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14}
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **sizes, num_key_value_heads=2, tie_word_embeddings=True))
+    else:
+        sizes = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16}
+        config = Qwen3Config(**common, **sizes, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+        model = Qwen3ForCausalLM(config)
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    weight.uniform_(0.5, 1.5)
+    model.to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """Per model family (built on first use): its directory, and the FSDP engine's log-probs and first update's
+    metrics on one GPU."""
+    runs = {}
+
+    def get(family: str) -> tuple[Path, tuple]:
+        if family not in runs:
+            path = save_model(family, tmp_path_factory.mktemp(family))
+            runs[family] = path, run("fsdp", 1, path, tmp_path_factory.mktemp(f"fsdp-{family}"))
+        return runs[family]
+
+    return get
 
 
 def batch() -> DataProto:
@@ -122,33 +137,36 @@ def run(strategy: str, world: int, model_dir: Path, out: Path, megatron: Megatro
     return torch.load(out / f"{strategy}.pt", weights_only=False)
 
 
-@pytest.fixture(scope="module")
-def fsdp_run(model_dir, tmp_path_factory):
-    """The FSDP engine on one GPU: log-probs and the first update's metrics."""
-    return run("fsdp", 1, model_dir, tmp_path_factory.mktemp("fsdp"))
+TP2 = MegatronConfig(tensor_model_parallel_size=2)
 
 
 @pytest.mark.parametrize(
-    ("megatron", "recompute"),
+    ("family", "megatron", "recompute"),
     [
-        pytest.param(MegatronConfig(), False, marks=pytest.mark.gpus(1), id="tp1"),
-        pytest.param(MegatronConfig(tensor_model_parallel_size=2), False, marks=pytest.mark.gpus(2), id="tp2"),
+        pytest.param("qwen2", MegatronConfig(), False, marks=pytest.mark.gpus(1), id="tp1"),
+        pytest.param("qwen2", TP2, False, marks=pytest.mark.gpus(2), id="tp2"),
         pytest.param(
+            "qwen2",
             MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True),
             True,
             marks=pytest.mark.gpus(2),
             id="tp2-sp-recompute",
         ),
-        pytest.param(MegatronConfig(pipeline_model_parallel_size=2), False, marks=pytest.mark.gpus(2), id="pp2"),
+        pytest.param(
+            "qwen2", MegatronConfig(pipeline_model_parallel_size=2), False, marks=pytest.mark.gpus(2), id="pp2"
+        ),
+        pytest.param("qwen3", MegatronConfig(), False, marks=pytest.mark.gpus(1), id="qwen3-tp1"),
+        pytest.param("qwen3", TP2, False, marks=pytest.mark.gpus(2), id="qwen3-tp2"),
     ],
 )
-def test_first_update_agrees_with_fsdp(model_dir, fsdp_run, tmp_path, megatron, recompute):
-    fsdp_lp, fsdp = fsdp_run
+def test_first_update_agrees_with_fsdp(fsdp_runs, tmp_path, family, megatron, recompute):
+    model_dir, (fsdp_lp, fsdp) = fsdp_runs(family)
     mega_lp, mega = run("megatron", megatron.model_parallel_size, model_dir, tmp_path, megatron, recompute)
     mask = batch().batch["response_mask"].bool()
     diff = (mega_lp["log_prob"] - fsdp_lp["log_prob"])[mask].abs()
     figures = {
-        "grid": f"tp{megatron.tensor_model_parallel_size}-pp{megatron.pipeline_model_parallel_size}"
+        "grid": ("qwen3-" if family == "qwen3" else "")
+        + f"tp{megatron.tensor_model_parallel_size}-pp{megatron.pipeline_model_parallel_size}"
         + ("-sp" if megatron.sequence_parallel else "")
         + ("-recompute" if recompute else ""),
         "log_prob_mean_abs": diff.mean().item(),
