@@ -246,9 +246,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
 
     @register(ONE_TO_ALL)
     def weight_norm(self, name: str) -> float:
-        """The norm of one parameter of the actor, in the rollout's dtype."""
-        full = self.actor.module.get_parameter(f"lm.{name}")
-        return (full.full_tensor() if hasattr(full, "full_tensor") else full).to(self.dtype).float().norm().item()
+        """The norm of one parameter of the actor (an HF name), as the rollout gets it: every engine's weights are
+        walked as for a hand-off, so it costs one (debugging only)."""
+        norms = [tensor.float().norm().item() for hf_name, tensor in self._rollout_weights() if hf_name == name]
+        if not norms:
+            raise KeyError(f"the actor has no weight {name!r} to check")
+        return norms[0]
 
     # ----------------------------------------------------------------- a standalone rollout's weights
     @register(ONE_TO_ALL)
