@@ -9,6 +9,7 @@ SDPA backend and as compiled math, the projections separate against fused (q/k/v
 sampling from the `[rows, vocab]` logits as compiled torch against ketch's Triton kernel; `--sweep` times the
 Triton kernels' launch settings (attention blocks, warps and stages; the sampler's chunk size). Strong scaling
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
+`--model qwen3-0.6b` decodes the Qwen3-0.6B shape instead, and `--unfused` keeps the layers' own projections.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
 """
@@ -27,9 +28,11 @@ from pathlib import Path
 import torch
 from rl_step import SCALES, qwen2_config, random_model
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ketch.rollout import fused_projections
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 S = SCALES["full"]
@@ -194,6 +197,18 @@ def sweep(rows: int) -> dict:
     return {"attention_us": attention, "sampler_us": sampler}
 
 
+def benchmark_model(name: str) -> torch.nn.Module:
+    """The fixed workload's Qwen2.5-0.5B shape, or the Qwen3-0.6B shape (28 layers, width 1,024, 16 query / 8
+    key-value heads of 128 with head norms, tied), random bf16 weights on the GPU."""
+    if name == "qwen2.5-0.5b":
+        config = qwen2_config(S, tie_word_embeddings=S["tied"], max_position_embeddings=4096)
+        return random_model(config, 5e8, "cuda").cuda().eval()
+    sizes = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16}
+    config = Qwen3Config(vocab_size=S["vocab"], **sizes, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(torch.bfloat16).cuda().eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128])
@@ -201,12 +216,17 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true", help="time one layer's attention and projections alone")
     parser.add_argument("--sweep", action="store_true", help="time the Triton kernels' launch settings")
     parser.add_argument("--profile", help="write one generation's kernel table per row count into this folder")
+    parser.add_argument("--model", choices=["qwen2.5-0.5b", "qwen3-0.6b"], default="qwen2.5-0.5b")
+    parser.add_argument(
+        "--unfused", action="store_true", help="keep the layers' own q/k/v and gate/up projections (before fusing)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
-    config = qwen2_config(S, tie_word_embeddings=S["tied"], max_position_embeddings=4096)
-    model = random_model(config, 5e8, "cuda").cuda().eval()
-    decoder = StaticDecoder(model, compile_step=True)
-    results = {"scale": "Qwen2.5-0.5B shape", "device": torch.cuda.get_device_name(), "by_rows": []}
+    if args.unfused:
+        fused_projections.ATTENTIONS.clear()
+        fused_projections.MLPS.clear()
+    decoder = StaticDecoder(benchmark_model(args.model), compile_step=True)
+    results = {"scale": args.model, "unfused": args.unfused, "device": torch.cuda.get_device_name(), "by_rows": []}
     for rows in args.rows:
         record = generation(decoder, rows, args.steps, args.profile)
         if args.parts:

@@ -396,7 +396,10 @@ def main() -> None:
         "--profile", help="profile one more step after the timed ones; write its torch.profiler tables to this file"
     )
     parser.add_argument(
-        "--profile-stage", default="step", choices=["step", *(k for k in STAGES if k not in ("step", "wait_gen"))], help="profile only this stage of the step"
+        "--profile-stage",
+        default="step",
+        choices=["step", *(k for k in STAGES if k not in ("step", "wait_gen"))],
+        help="profile only this stage of the step",
     )
     parser.add_argument(
         "--profile-first-step", help="profile the first step's Python with cProfile; write its busiest functions here"
