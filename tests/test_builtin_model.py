@@ -63,3 +63,11 @@ def test_sft_keep_when_makes_the_last_kept_step_the_result(tiny_config):
     assert all(torch.equal(first_kept[name], one_step[name]) for name in one_step)
     last = weights(tiny_config(*sft, "trainer.total_steps=3", "trainer.experiment_name=last"))
     assert not all(torch.equal(last[name], one_step[name]) for name in one_step)
+
+
+def test_sft_validates_with_the_actors_own_rollout_when_the_config_has_a_standalone_one(tiny_config):
+    config = tiny_config("rollout.placement=standalone", "trainer.total_steps=1", "trainer.test_freq=1")
+    sft = SFTTrainer(config, model_path=config.model.path)
+    metrics = sft.fit()
+    assert sft.config.rollout.placement == "hybrid" and not sft.config.uses_ray(gpu_visible=False)
+    assert 0.0 <= metrics[ACC] <= 1.0 and metrics["val/loss"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +36,8 @@ class SFTTrainer:
     (which warms it up with this trainer), so it must be given for `model.path=builtin:tiny-arithmetic`."""
 
     def __init__(self, config: KetchConfig, model_path: str | None = None):
-        self.config = c = config
+        # SFT generates only to validate, in the actor's processes: a standalone rollout is an RL placement
+        self.config = c = replace(config, rollout=replace(config.rollout, placement="hybrid", staleness=0))
         preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         if model_path is None and c.model.path.startswith("builtin:"):

@@ -52,6 +52,8 @@ LAYER = {
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
 }
 """Megatron name within a layer -> the HF names (under `model.layers.{i}.`) fused into it, in order."""
+HEAD_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+"""Qwen3's query and key norms: only models with `ModelShape.qk_norm` have them."""
 
 VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
 """A critic's output layer -> the HF `*ForTokenClassification` head."""
@@ -122,10 +124,7 @@ class ModelShape:
         """Whether this model's layers have the Megatron weight `layer_name` (its QKV bias, its q/k norms)."""
         if layer_name == "self_attention.linear_qkv.bias":
             return self.qkv_bias
-        return self.qk_norm or layer_name not in (
-            "self_attention.q_layernorm.weight",
-            "self_attention.k_layernorm.weight",
-        )
+        return self.qk_norm or layer_name not in HEAD_NORMS
 
     def kind(self, megatron_name: str) -> Kind:
         """How `megatron_name` is split over tensor-parallel ranks (a critic's scalar head is replicated)."""
