@@ -21,7 +21,7 @@ from ketch.controller import (
     register_dispatch_mode,
 )
 from ketch.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
-from ketch.controller.ray_group import RayClassWithInitArgs, RayWorkerGroup
+from ketch.controller.ray_group import RayClassWithInitArgs, RayWorkerGroup, get_together
 from ketch.controller.resource_pool import RayResourcePool
 from ketch.protocol import DataProto
 
@@ -163,3 +163,13 @@ def test_a_killed_worker_is_reported_as_dead_with_its_node(ray_session):
         err.value
     )
     group.shutdown()
+
+
+def test_get_together_raises_one_groups_failure_while_the_other_group_still_waits(probes):
+    napping = RayWorkerGroup(RayResourcePool([1]), RayClassWithInitArgs(Probe), timeout=60)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="Probe rank 1: fail_on_rank_one raised ValueError"):
+        get_together([napping.async_nap(30), probes.async_fail_on_rank_one()])  # the napper is listed first
+    assert time.monotonic() - start < 10, "not after the nap"
+    napping.shutdown()
+    assert get_together([probes.async_take([1, 2]), probes.async_whoami()])[0] == [10, 21]
