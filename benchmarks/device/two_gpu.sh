@@ -1,8 +1,9 @@
 #!/bin/bash
 # Every measurement that waits for the two-GPU machine (nvidia-h200-x2), in stages that each fit one device
 # command (at most 600 s; the timeouts of a stage's steps add up to 560 s at most); run them in this order:
-#   megatron   tests/gpu (first update: FSDP 1 GPU against Megatron TP=1, TP=2, TP=2+SP+recompute, PP=2; tiny
-#              `ketch train` runs with TP=2 and with two data ranks and the distributed optimizer)
+#   megatron   tests/gpu but Qwen3's (first update: FSDP 1 GPU against Megatron TP=1, TP=2, TP=2+SP+recompute,
+#              PP=2; tiny `ketch train` runs with TP=2 and with two data ranks and the distributed optimizer)
+#   qwen3      tests/gpu's Qwen3 cases: the Qwen3-0.6B shape's first update, Megatron TP=1 and TP=2 against FSDP
 #   grpo30     3 GRPO steps with Megatron TP=2 (the grad_norm check), then 30 GRPO steps, FSDP on one GPU
 #              against Megatron TP=2, with the greedy export check
 #   7b         the Qwen2.5-7B shape: Megatron TP=2 against FSDP2 on two GPUs (recomputation on), then the
@@ -24,9 +25,11 @@ date=$(date -u +%F)
 stage() { local name=$1; shift; echo "=== $name $(date -u +%T)"; timeout "$@" >"$OUT/logs/$name.log" 2>&1; echo "rc=$? $(date -u +%T)"; grep -hE "^step|passed|skipped|failed|error" "$OUT/logs/$name.log" | tail -8; }
 mega="python3 benchmarks/megatron_vs_fsdp.py"
 step="python3 benchmarks/rl_step.py --variant grpo --warmup 1 --steps 3"
-case ${1:?stage: megatron, grpo30, 7b, scaling or standalone} in
+case ${1:?stage: megatron, qwen3, grpo30, 7b, scaling or standalone} in
 megatron)
-  KETCH_GPU_RESULTS=$OUT stage tests_gpu 560 python3 -m pytest tests/gpu -q -p no:cacheprovider ;;
+  KETCH_GPU_RESULTS=$OUT stage tests_gpu 560 python3 -m pytest tests/gpu -q -p no:cacheprovider -k "not qwen3" ;;
+qwen3)
+  KETCH_GPU_RESULTS=$OUT stage tests_gpu_qwen3 400 python3 -m pytest tests/gpu -q -p no:cacheprovider -k qwen3 ;;
 grpo30)
   stage tp2_check 150 $mega --steps 3 --runs megatron_tp2 --no-greedy --set actor.use_dynamic_bsz=false \
     --out "$OUT/${date}_h200x2_megatron_tp2_grad_norm_check.json"
