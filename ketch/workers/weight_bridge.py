@@ -23,6 +23,8 @@ TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class WeightSpec:
+    """One tensor the bridge carries: its HF name, full shape and dtype."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -76,4 +78,5 @@ def _root() -> dist.BroadcastOptions:
 
 
 def specs_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[WeightSpec]:
+    """The specs of (name, tensor) pairs, in their order."""
     return [WeightSpec(name, tuple(t.shape), t.dtype) for name, t in named_tensors]
