@@ -55,7 +55,7 @@ def rollout_kl(trainer: PPOTrainer) -> list[float]:
     return [r["training/rollout_kl"] for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "step" in r]
 
 
-def test_a_standalone_rollout_has_processes_of_its_own_and_generates_from_the_newest_weights(tiny_config):
+def test_a_standalone_rollout_generates_from_the_newest_weights_at_every_step(tiny_config):
     trainer = PPOTrainer(standalone(tiny_config, "trainer.total_steps=2"))
     trainer.fit()
     kl = rollout_kl(trainer)
