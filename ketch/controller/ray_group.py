@@ -125,7 +125,7 @@ def get_together(calls: list[GroupCall], poll: float = 0.005) -> list[Any]:
     while len(results) < len(calls):
         ended = [i for i, call in enumerate(calls) if i not in results and call.started_to_end()]
         if not ended and deadline is not None and time.monotonic() > deadline:
-            ended = [min(set(range(len(calls))) - set(results))]
+            ended = [next(i for i in range(len(calls)) if i not in results)]
         for i in ended:
             results[i] = calls[i].get()
         if not ended:

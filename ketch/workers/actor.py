@@ -31,13 +31,12 @@ from ketch.engine.micro import split_micro_batches
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype, stop_token_ids
 from ketch.protocol import DataProto
-from ketch.rollout import build_rollout
-from ketch.rollout.multi_turn import with_multi_turn
 from ketch.workers.common import (
     DeviceMemory,
     mean_over_steps,
     mini_batches,
     role_dispatch_rank,
+    rollout_engine,
     setup_process,
     shuffle_seed,
     token_share,
@@ -87,8 +86,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         self.rollout, self.bridge = None, None
         if c.rollout.placement == "hybrid":
             seed = c.trainer.seed + self.rank
-            backend = build_rollout(c, self.model_path, self.tokenizer, self.dtype, self.device, seed)
-            self.rollout = with_multi_turn(backend, c, self.tokenizer)  # the turn loop when rollout.multi_turn.enable
+            self.rollout = rollout_engine(c, self.model_path, self.tokenizer, self.dtype, self.device, seed)
             self._sync_rollout()
 
     def _build_megatron_engines(self) -> None:

@@ -16,9 +16,18 @@ from ketch.engine.distributed import init_process_group, resolve_device
 from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
 from ketch.protocol import DataProto
+from ketch.rollout import Rollout, build_rollout
+from ketch.rollout.multi_turn import with_multi_turn
 
 if TYPE_CHECKING:
-    from ketch.config.schema import ActorConfig, CriticConfig
+    from ketch.config.schema import ActorConfig, CriticConfig, KetchConfig
+
+
+def rollout_engine(
+    config: KetchConfig, model_path: str, tokenizer, dtype: torch.dtype, device: torch.device, seed: int
+) -> Rollout:
+    """The generation backend named by `rollout.name`, inside the turn loop when `rollout.multi_turn.enable`."""
+    return with_multi_turn(build_rollout(config, model_path, tokenizer, dtype, device, seed), config, tokenizer)
 
 
 def setup_process(device_name: str, seed: int) -> torch.device:

@@ -9,9 +9,7 @@ from ketch.config.schema import KetchConfig
 from ketch.controller import ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
 from ketch.models import load_tokenizer, resolve_dtype
 from ketch.protocol import DataProto
-from ketch.rollout import build_rollout
-from ketch.rollout.multi_turn import with_multi_turn
-from ketch.workers.common import DeviceMemory, setup_process
+from ketch.workers.common import DeviceMemory, rollout_engine, setup_process
 from ketch.workers.weight_bridge import WeightBridge
 
 SEED_OFFSET = 1_000_003
@@ -35,8 +33,7 @@ class RolloutWorker(DeviceMemory, Worker):
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
-        backend = build_rollout(c, self.model_path, tokenizer, dtype, self.device, seed + self.rank)
-        self.rollout = with_multi_turn(backend, c, tokenizer)
+        self.rollout = rollout_engine(c, self.model_path, tokenizer, dtype, self.device, seed + self.rank)
 
     @register(PROCESS_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:

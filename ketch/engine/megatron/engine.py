@@ -364,7 +364,8 @@ class MegatronEngine:
     def full_parameters(self, prefix: str = "", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight, on every rank: tensor-parallel pieces are gathered and each
         pipeline stage broadcasts its layers, one tensor at a time (`prefix` is accepted for the FSDP engine's
-        signature; names are already HF names). A tied embedding also comes as `lm_head.weight`."""
+        signature; names are already HF names). A tied embedding also comes as `lm_head.weight`. As with the FSDP
+        engine, a caller that keeps the tensors clones them: a replicated weight comes as a view of the live one."""
         states = [chunk.state_dict() for chunk in self.chunks]  # views of the live weights, made once
         for pp_rank in range(self.parallel.pp):
             for vp_stage in range(self.parallel.vpp or 1):
