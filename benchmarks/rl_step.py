@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import logging
@@ -32,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,6 +42,7 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch.autograd import DeviceType
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -224,14 +227,16 @@ def run(args) -> dict:
     config = load_config(overrides=overrides(s, model, data, args, total, root) + args.set)
     trainer = PPOTrainer(config)
     trainer._open()
-    records = []
+    records, collector = [], GarbageCollectorTime()
     for step in range(1, total + 1 + bool(args.profile)):  # a profiled step comes after the timed ones
         first = args.profile_first_step if step == 1 else None
         with profiled_stage(args.profile if step > total else None, args.profile_stage), host_profiled(first):
+            collector.seconds = 0.0
             records.append(trainer._train_step(trainer.loader.next_batch(), step))
         stages = ", ".join(f"{k}={records[-1][f'timing_s/{k}']:.3f}" for k in STAGES if f"timing_s/{k}" in records[-1])
-        print(f"step {step}: {stages}", flush=True)
+        print(f"step {step}: {stages}, in the driver's garbage collector {collector.seconds:.3f}", flush=True)
         if step == 1:
+            trainer.groups.freeze_long_lived()  # as `TrainingLoop._run` does after its first step
             print(f"compilation in the first step:\n{torch._dynamo.utils.compile_times(repr='str')}", flush=True)
     memory = worker_memory(trainer.groups)
     rows = config.data.train_batch_size * config.rollout.n
@@ -271,19 +276,71 @@ def profiled_stage(out: str | None, stage: str):
 @contextmanager
 def profiled(out: str | None):
     """Profile the enclosed step with torch.profiler (CPU and CUDA) and write its busiest operators and kernels
-    to `out`; only what runs in this process is seen (the one-GPU run without Ray)."""
+    to `out`, also by input shape and by Python stack (where the copies come from); only what runs in this
+    process is seen (the one-GPU run without Ray)."""
     if out is None:
         yield
         return
     activities = [torch.profiler.ProfilerActivity.CPU]
     activities += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         yield
     averages = prof.key_averages()
     tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cuda_time_total", "self_cpu_time_total")]
+    tables.append(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=30))
+    tables.append(_copy_stacks(prof.events()))
+    tables.append(_device_idle(prof.events()))
     tables.append(json.dumps({k: dict(v) for k, v in torch._dynamo.utils.counters.items()}, indent=1, default=str))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text("\n\n".join(tables))
+
+
+def _copy_stacks(events, top: int = 15, depth: int = 10) -> str:
+    """The `top` call paths (the nearest `depth` enclosing Python functions and operators) whose tensor copies
+    took the most device time."""
+    paths = defaultdict(lambda: [0.0, 0])
+    for event in events:
+        if event.name == "aten::copy_":
+            chain, parent = [], event.cpu_parent
+            while parent is not None and len(chain) < depth:
+                chain.append(parent.name)
+                parent = parent.cpu_parent
+            paths[tuple(chain)][0] += event.self_device_time_total / 1e3
+            paths[tuple(chain)][1] += 1
+    ranked = sorted(paths.items(), key=lambda item: -item[1][0])[:top]
+    return "\n".join(f"copy_: {ms:.2f} ms device, {n} calls\n  " + "\n  ".join(c) for c, (ms, n) in ranked)
+
+
+def _device_idle(events, min_us: float = 50.0, top: int = 15, depth: int = 6) -> str:
+    """How long the GPU sat idle between its first and last kernel, and what the host was doing (the innermost
+    operators and Python functions on the CPU) in the `top` longest gaps over `min_us`."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return "no device activity"
+    gaps, busy, (start, end) = [], 0.0, kernels[0]
+    for k_start, k_end in kernels[1:]:
+        if k_start > end:
+            busy += end - start
+            gaps.append((k_start - end, end))
+            start = k_start
+        end = max(end, k_end)
+    busy += end - start
+    span = end - kernels[0][0]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    lines = [f"device busy {busy / 1e3:.2f} ms of {span / 1e3:.2f} ms ({busy / span:.1%}); idle gaps:"]
+    for length, at in sorted((g for g in gaps if g[0] >= min_us), reverse=True)[:top]:
+        middle = at + length / 2
+        inner = max(
+            (e for e in host if e.time_range.start <= middle <= e.time_range.end),
+            key=lambda e: e.time_range.start,
+            default=None,
+        )
+        chain = []
+        while inner is not None and len(chain) < depth:
+            chain.append(inner.name)
+            inner = inner.cpu_parent
+        lines.append(f"{length:8.0f} us at +{(at - kernels[0][0]) / 1e3:.1f} ms  " + " < ".join(chain))
+    return "\n".join(lines)
 
 
 @contextmanager
@@ -314,6 +371,20 @@ def worker_memory(groups) -> list[dict]:
         if group is not None:
             found += [{"role": role, "rank": rank, **m} for rank, m in enumerate(group.peak_device_memory())]
     return found
+
+
+class GarbageCollectorTime:
+    """Seconds this process spends in Python's garbage collector (`seconds`, reset by the caller)."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:

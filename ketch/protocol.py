@@ -80,9 +80,16 @@ class DataProto:
             idx = idx.nonzero().flatten()
         return self._take(idx, idx.numpy())
 
-    def _take(self, tensor_index: Any, array_index: Any) -> DataProto:
+    def _take(self, tensor_index: slice | torch.Tensor, array_index: Any) -> DataProto:
+        """Rows by slice or by index. An index gathers with `index_select`: advanced indexing (`v[idx]`) on a
+        CPU tensor splits even a few hundred rows over the intra-op threads and took milliseconds per tensor
+        where those threads were busy, on the update's critical path."""
+        if isinstance(tensor_index, slice):
+            tensors = {k: v[tensor_index] for k, v in self.batch.items()}
+        else:
+            tensors = {k: v.index_select(0, tensor_index.to(v.device)) for k, v in self.batch.items()}
         return DataProto(
-            {k: v[tensor_index] for k, v in self.batch.items()},
+            tensors,
             {k: v[array_index] for k, v in self.non_tensor_batch.items()},
             dict(self.meta_info),
         )

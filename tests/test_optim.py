@@ -1,4 +1,5 @@
-"""ShardedFusedAdamW: the fused AdamW step on each rank's local shards is torch's AdamW step."""
+"""ShardedFusedAdamW: the fused AdamW step on each rank's local shards is torch's AdamW step, and a step skipped
+on the device (a non-finite gradient norm) changes nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from ketch.engine.distributed import init_process_group
 from ketch.engine.engine import shard
-from ketch.engine.optim import ShardedFusedAdamW
+from ketch.engine.optim import ShardedFusedAdamW, step_unless
 
 CPU = torch.device("cpu")
 
@@ -48,3 +49,25 @@ def test_steps_on_local_shards_equal_torch_fused_adamw_on_dtensors():
             torch.testing.assert_close(
                 states[0][key][moment].full_tensor(), states[1][key][moment].full_tensor(), atol=0, rtol=0
             )
+
+
+def test_a_step_skipped_on_the_device_leaves_weights_moments_and_counts():
+    """Three steps with a skipped one between them equal two plain steps, for both kinds of optimizer."""
+    init_process_group(CPU)
+    kwargs = {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.05}
+    for kind in (ShardedFusedAdamW, torch.optim.AdamW):
+        models = [sharded_model(), sharded_model()]
+        skipping, plain = (kind(m.parameters(), **kwargs) for m in models)
+        for step, skip in enumerate((False, True, False)):
+            for p in models[0].parameters():
+                p.grad = torch.full_like(p, float("nan") if skip else 0.5 + step)
+            step_unless(skipping, torch.tensor(skip))
+        for step in (0, 2):
+            for p in models[1].parameters():
+                p.grad = torch.full_like(p, 0.5 + step)
+            plain.step()
+        for mine, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor(), atol=0, rtol=0)
+        for state in skipping.state_dict()["state"].values():
+            assert state["step"].item() == 2.0
+            assert torch.isfinite(state["exp_avg_sq"].full_tensor()).all()

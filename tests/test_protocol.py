@@ -98,7 +98,9 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 def test_reorder_applies_a_permutation():
-    assert make().reorder([2, 0, 3, 1]).non_tensor_batch["uid"].tolist() == ["u2", "u0", "u3", "u1"]
+    data = make().reorder([2, 0, 3, 1])
+    assert data.non_tensor_batch["uid"].tolist() == ["u2", "u0", "u3", "u1"]
+    assert data.batch["x"][:, 0].tolist() == [4, 0, 6, 2]
 
 
 @given(n=st.integers(1, 40), k=st.integers(1, 8))

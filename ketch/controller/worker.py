@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
+
+from ketch.controller.decorator import register
+from ketch.controller.dispatch import ONE_TO_ALL
 
 
 class Worker:
@@ -37,3 +41,18 @@ class Worker:
         (`DataParallelLayout`). Every process is its own data-parallel rank unless a role with tensor or
         pipeline parallelism says otherwise; asked once when a group starts, so it must not need `init_model`."""
         return self.rank, True
+
+    @register(ONE_TO_ALL)
+    def freeze_long_lived(self) -> None:
+        """`freeze_long_lived` in this worker's process."""
+        freeze_long_lived()
+
+
+def freeze_long_lived() -> None:
+    """Collect this process's garbage, then move what survives into the permanent generation, which Python's
+    collector no longer scans. After a run's first step that is what lives as long as the run: the models, the
+    compiled graphs and captured CUDA graphs, the data. A full collection scanned all of it again every so often:
+    about 0.35 s on a GPU host, in whichever step it fell (an actor update then took 0.65 s instead of 0.33 s).
+    Frozen objects are still freed when their last reference goes; only cycles among them are never collected."""
+    gc.collect()
+    gc.freeze()

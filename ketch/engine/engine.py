@@ -24,7 +24,7 @@ from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.log_probs import load_kernels
 from ketch.engine.micro import split_micro_batches
-from ketch.engine.optim import build_optimizer, build_scheduler
+from ketch.engine.optim import build_optimizer, build_scheduler, step_unless
 from ketch.protocol import DataProto
 
 logger = logging.getLogger("ketch.engine")
@@ -181,17 +181,18 @@ class TrainEngine:
             (loss * self.world_size).backward()
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 totals[key] += value
-        summed = all_reduce_sum(torch.stack(list(totals.values()))).tolist()
-        return dict(zip(totals, summed, strict=True)) | self._step()
+        summed = all_reduce_sum(torch.stack(list(totals.values())))
+        stepped = self._step()  # launched before the metrics are read, so the GPU need not wait for the host
+        return dict(zip(totals, summed.tolist(), strict=True)) | stepped
 
     def _step(self) -> dict[str, float]:
-        grad_norm = clip_grad_norm(self.module.parameters(), self.optim_config.grad_clip or math.inf).item()
-        lr = self.scheduler.get_last_lr()[0]
+        norm = clip_grad_norm(self.module.parameters(), self.optim_config.grad_clip or math.inf)
+        step_unless(self.optimizer, ~torch.isfinite(norm))
+        grad_norm, lr = norm.item(), self.scheduler.get_last_lr()[0]
         if not math.isfinite(grad_norm):
             logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 1.0}
-        self.optimizer.step()
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 0.0}
 

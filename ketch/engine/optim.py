@@ -62,9 +62,12 @@ class ShardedFusedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay, eps=eps, fused=True)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skip: torch.Tensor | None = None):
+        """One AdamW step; with `skip` (a bool scalar on the parameters' device) set, the kernels leave the
+        parameters, moments and step counts as they were: the flag is read on the device, not by the host."""
         if closure is not None:
             raise ValueError("ShardedFusedAdamW.step takes no closure")
+        found_inf = None if skip is None else skip.float()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for tensors in self._local_groups(group):
@@ -80,7 +83,10 @@ class ShardedFusedAdamW(torch.optim.AdamW):
                     eps=group["eps"],
                     amsgrad=False,
                     maximize=False,
+                    found_inf=found_inf,
                 )
+                if found_inf is not None:
+                    torch._foreach_sub_(tensors[4], [found_inf] * len(tensors[4]))
 
     def _local_groups(self, group: dict) -> list[list[list[torch.Tensor]]]:
         """Per (device, dtype): local [params, grads, exp_avgs, exp_avg_sqs, steps] of the parameters with a
@@ -99,6 +105,16 @@ class ShardedFusedAdamW(torch.optim.AdamW):
             for into, tensor in zip(lists[(local.device, local.dtype)], tensors, strict=True):
                 into.append(tensor)
         return list(lists.values())
+
+
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """Step `optimizer` unless `skip` (a bool scalar on the device) is set. `ShardedFusedAdamW` reads the flag in
+    its kernels, so the host launches the step while the GPU still runs the backward pass; other optimizers
+    wait for it."""
+    if isinstance(optimizer, ShardedFusedAdamW):
+        optimizer.step(skip=skip)
+    elif not skip.item():
+        optimizer.step()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

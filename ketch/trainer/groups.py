@@ -9,6 +9,7 @@ placement.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 from ketch.config import BatchPlan, KetchConfig
 from ketch.controller import LocalWorkerGroup
+from ketch.controller.worker import freeze_long_lived
 from ketch.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker, RolloutWorker
 
 logger = logging.getLogger("ketch")
@@ -36,9 +38,19 @@ class WorkerGroups:
     """The groups that hold worker processes or models, shut down together."""
 
     def shutdown(self) -> None:
+        """Stop the groups, and let the collector see the driver's frozen objects again: a process that runs
+        more than one run (a notebook, a sweep, the tests) would otherwise never collect cycles of the last."""
         for group in self.owned:
             group.shutdown()
         self.owned = []
+        gc.unfreeze()
+
+    def freeze_long_lived(self) -> None:
+        """`freeze_long_lived` in the driver and in every worker process (a run's first step calls it)."""
+        freeze_long_lived()
+        for group in (self.actor_rollout, self.critic, self.reward_model, self.rollout):
+            if group is not None:
+                group.freeze_long_lived()
 
 
 def build_worker_groups(

@@ -72,6 +72,7 @@ class TrainingLoop:
         metrics: dict[str, float] = {}
         if self.step == 0 and t.val_before_train and self.val_set is not None:
             self.tracker.log(self._validate_and_log_samples(step=0), step=0)
+        first = self.step + 1
         while self.step < self.total_steps:
             step = self.step + 1
             metrics = self._train_step(self.loader.next_batch(), step)
@@ -79,6 +80,8 @@ class TrainingLoop:
                 metrics |= self._validate_and_log_samples(step)
             self.step, self.loader_state = step, self.loader.state_dict()
             self.tracker.log(metrics, step)
+            if step == first:  # what the first step built (compiled graphs) lasts: no collector scans it again
+                self.groups.freeze_long_lived()
             if due(t.save_freq, step, self.total_steps) or step == self.total_steps:
                 self._save_checkpoint()
         return metrics
