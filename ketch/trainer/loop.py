@@ -80,10 +80,10 @@ class TrainingLoop:
                 metrics |= self._validate_and_log_samples(step)
             self.step, self.loader_state = step, self.loader.state_dict()
             self.tracker.log(metrics, step)
-            if step == first:  # what the first step built (compiled graphs) lasts: no collector scans it again
-                self.groups.freeze_long_lived()
             if due(t.save_freq, step, self.total_steps) or step == self.total_steps:
                 self._save_checkpoint()
+            if step == first:  # what the first step built (compiled graphs) lasts: no collector scans it again
+                self.groups.freeze_long_lived()
         return metrics
 
     def _validate_and_log_samples(self, step: int) -> dict[str, float]:

@@ -75,6 +75,8 @@ class RMTrainer:
                 info(f"RM step {step}/{self.total_steps}: {shown}", tracker.bar)
             if due(c.trainer.save_freq, step, self.total_steps) or step == self.total_steps:
                 self._save(group, checkpoints, step)
+            if step == start + 1:
+                groups.freeze_long_lived()
         group.save_pretrained(str((self.run_dir / "model").resolve()))
         groups.shutdown()
         tracker.close()

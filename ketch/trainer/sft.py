@@ -89,6 +89,8 @@ class SFTTrainer:
             if validated:
                 metrics |= self._validate(group)
             tracker.log(metrics, step)
+            if step == 1:
+                groups.freeze_long_lived()
             if step % c.trainer.log_interval == 0 or validated:
                 shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k == "sft/loss" or k.startswith("val/"))
                 info(f"SFT step {step}/{self.total_steps}: {shown}", tracker.bar)
