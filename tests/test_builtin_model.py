@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from ketch.config import load_config
 from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL
 from ketch.trainer.builtin import WARMUPS, resolve_model_path
+from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.sft import SFTTrainer
 
 ACC = "val/ketch/arithmetic/acc"
@@ -71,3 +74,12 @@ def test_sft_validates_with_the_actors_own_rollout_when_the_config_has_a_standal
     metrics = sft.fit()
     assert sft.config.rollout.placement == "hybrid" and not sft.config.uses_ray(gpu_visible=False)
     assert 0.0 <= metrics[ACC] <= 1.0 and metrics["val/loss"] > 0
+
+
+def test_sft_freezes_what_its_first_step_built_once_and_thaws_it_at_the_end(tiny_config, monkeypatch):
+    frozen = []
+    freeze = WorkerGroups.freeze_long_lived
+    monkeypatch.setattr(WorkerGroups, "freeze_long_lived", lambda g: (freeze(g), frozen.append(gc.get_freeze_count())))
+    config = tiny_config("trainer.total_steps=3", "trainer.test_freq=0")
+    SFTTrainer(config, model_path=config.model.path).fit()
+    assert len(frozen) == 1 and frozen[0] > 10_000 and gc.get_freeze_count() == 0

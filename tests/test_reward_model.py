@@ -3,6 +3,7 @@ and reward-model scores in PPO (alone, combined with rules, normalised, in check
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rollout.base import assemble_sequences, response_mask_from_stops
 from ketch.tracking import read_metrics
+from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.rm import RMTrainer
 from ketch.workers import RewardModelWorker
@@ -130,9 +132,13 @@ def test_an_rm_step_reports_the_bradley_terry_loss_of_the_whole_step(tiny_config
     assert bradley_terry_loss(after["chosen_scores"], after["rejected_scores"]) < bradley_terry_loss(chosen, rejected)
 
 
-def test_ketch_rm_trains_validates_checkpoints_and_exports(tiny_config, preference_files, tmp_path):
+def test_ketch_rm_trains_validates_checkpoints_and_exports(tiny_config, preference_files, tmp_path, monkeypatch):
+    frozen = []  # objects frozen by each run's one freeze after its first step (thawed at its end)
+    freeze = WorkerGroups.freeze_long_lived
+    monkeypatch.setattr(WorkerGroups, "freeze_long_lived", lambda g: (freeze(g), frozen.append(gc.get_freeze_count())))
     config = rm_config(tiny_config, preference_files, "reward.model.optim.lr=0.01")
     metrics = RMTrainer(config).fit()
+    assert len(frozen) == 1 and frozen[0] > 10_000 and gc.get_freeze_count() == 0
     assert {"rm/bt_loss", "rm/pairwise_acc", "rm/grad_norm", "val/pairwise_acc", "val/bt_loss"} <= set(metrics)
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "model")
@@ -144,6 +150,7 @@ def test_ketch_rm_trains_validates_checkpoints_and_exports(tiny_config, preferen
         assert torch.equal(tensor, exported.state_dict()[name]), name
     resumed = RMTrainer(rm_config(tiny_config, preference_files, "reward.model.optim.lr=0.01", "trainer.total_steps=4"))
     resumed.fit()
+    assert len(frozen) == 2 and gc.get_freeze_count() == 0
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     assert json.loads((run_dir / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())["loader"] == {
         "epoch": 0, "batch_index": 4, "seed": 1,
