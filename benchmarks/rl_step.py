@@ -275,8 +275,8 @@ def profiled_stage(out: str | None, stage: str):
 
 @contextmanager
 def profiled(out: str | None):
-    """Profile the enclosed step with torch.profiler (CPU and CUDA) and write its busiest operators and kernels
-    to `out`, also by input shape and by Python stack (where the copies come from); only what runs in this
+    """Profile the enclosed step with torch.profiler (CPU and CUDA) and write to `out` its busiest operators and
+    kernels (also by input shape), the call paths of its copies and the GPU's idle gaps; only what runs in this
     process is seen (the one-GPU run without Ray)."""
     if out is None:
         yield
@@ -301,12 +301,9 @@ def _copy_stacks(events, top: int = 15, depth: int = 10) -> str:
     paths = defaultdict(lambda: [0.0, 0])
     for event in events:
         if event.name == "aten::copy_":
-            chain, parent = [], event.cpu_parent
-            while parent is not None and len(chain) < depth:
-                chain.append(parent.name)
-                parent = parent.cpu_parent
-            paths[tuple(chain)][0] += event.self_device_time_total / 1e3
-            paths[tuple(chain)][1] += 1
+            chain = tuple(_enclosing(event.cpu_parent, depth))
+            paths[chain][0] += event.self_device_time_total / 1e3
+            paths[chain][1] += 1
     ranked = sorted(paths.items(), key=lambda item: -item[1][0])[:top]
     return "\n".join(f"copy_: {ms:.2f} ms device, {n} calls\n  " + "\n  ".join(c) for c, (ms, n) in ranked)
 
@@ -335,12 +332,19 @@ def _device_idle(events, min_us: float = 50.0, top: int = 15, depth: int = 6) ->
             key=lambda e: e.time_range.start,
             default=None,
         )
-        chain = []
-        while inner is not None and len(chain) < depth:
-            chain.append(inner.name)
-            inner = inner.cpu_parent
-        lines.append(f"{length:8.0f} us at +{(at - kernels[0][0]) / 1e3:.1f} ms  " + " < ".join(chain))
+        lines.append(
+            f"{length:8.0f} us at +{(at - kernels[0][0]) / 1e3:.1f} ms  " + " < ".join(_enclosing(inner, depth))
+        )
     return "\n".join(lines)
+
+
+def _enclosing(event, depth: int) -> list[str]:
+    """The names of `event` (None: none) and of the operators and Python functions around it, innermost first."""
+    names = []
+    while event is not None and len(names) < depth:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
 
 
 @contextmanager

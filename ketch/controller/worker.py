@@ -50,9 +50,7 @@ class Worker:
 
 def freeze_long_lived() -> None:
     """Collect this process's garbage, then move what survives into the permanent generation, which Python's
-    collector no longer scans. After a run's first step that is what lives as long as the run: the models, the
-    compiled graphs and captured CUDA graphs, the data. A full collection scanned all of it again every so often:
-    about 0.35 s on a GPU host, in whichever step it fell (an actor update then took 0.65 s instead of 0.33 s).
-    Frozen objects are still freed when their last reference goes; only cycles among them are never collected."""
+    collector no longer scans (`gc.freeze`; `gc.unfreeze` undoes it). Frozen objects are still freed when their
+    last reference goes; only cycles among them are not collected."""
     gc.collect()
     gc.freeze()

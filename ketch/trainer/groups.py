@@ -46,7 +46,10 @@ class WorkerGroups:
         gc.unfreeze()
 
     def freeze_long_lived(self) -> None:
-        """`freeze_long_lived` in the driver and in every worker process (a run's first step calls it)."""
+        """`freeze_long_lived` in the driver and in every worker process. After a run's first step, what survives
+        lives as long as the run: models, compiled and CUDA graphs, data. Unfrozen, a full collection scanned it
+        all again every so often, about 0.35 s on a GPU host in whichever step it fell (an actor update then took
+        0.65 s instead of 0.33 s)."""
         freeze_long_lived()
         for group in (self.actor_rollout, self.critic, self.reward_model, self.rollout):
             if group is not None:
