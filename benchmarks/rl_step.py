@@ -16,7 +16,8 @@ prompt + response tokens of each step's batch per step time), decode tokens/s (t
 per generation time), the actor update's MFU against the peak of every GPU that ran, and each worker's
 peak GPU memory (read from the worker processes, so also under Ray); and the first step's time, its stages and
 its ratio to a warm step (`first_step_over_warm_step`: the compile wait; run the command twice to see it with
-the compiler caches of the first run, `benchmarks/device/compile_wait.sh`).
+the compiler caches of the first run, `benchmarks/device/compile_wait.sh`), beside the seconds before it
+(`setup_s`: the trainer's construction and start, then the rollout's warm-up).
 """
 
 from __future__ import annotations
@@ -225,8 +226,12 @@ def run(args) -> dict:
     total = args.warmup + args.steps
     model, data = build_workload(root, s, total, args.device)
     config = load_config(overrides=overrides(s, model, data, args, total, root) + args.set)
+    start = time.perf_counter()
     trainer = PPOTrainer(config)
     trainer._open()
+    opened = time.perf_counter()
+    trainer._warm_up()  # as `TrainingLoop._run` does before its first step
+    warmed = time.perf_counter()
     records, collector = [], GarbageCollectorTime()
     for step in range(1, total + 1 + bool(args.profile)):  # a profiled step comes after the timed ones
         first = args.profile_first_step if step == 1 else None
@@ -246,6 +251,7 @@ def run(args) -> dict:
     result["first_step_s"] = records[0]["timing_s/step"]
     result["first_step_seconds"] = {k: records[0][f"timing_s/{k}"] for k in STAGES if f"timing_s/{k}" in records[0]}
     result["first_step_over_warm_step"] = result["first_step_s"] / result["step_s"]
+    result["setup_s"] = {"open": opened - start, "warm_up": warmed - opened}
     result["workers_peak_memory"] = memory
     if args.device == "cuda":
         result["peak_gpu_memory_gib"] = max(m["allocated_gib"] for m in memory)

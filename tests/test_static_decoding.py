@@ -86,6 +86,37 @@ def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_m
     assert counter.frame_count == 2
 
 
+def test_prompts_of_any_length_up_to_the_longest_decode_in_the_shape_a_warm_up_compiled(tiny_model_dir):
+    """With buckets and `longest_prompt=100` every KV cache has room for 128 prompt tokens (two buckets) and
+    the response: a warm-up (`stop_after=2`: two real tokens, then pad) on prompts of 5 tokens compiles the one
+    decode shape (4 rows x 134 slots), and batches with prompts of 5 and of 70 tokens then decode in it with no
+    new compile, giving the unbucketed eager decoder's greedy tokens and log-probs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model, short_ids, short_mask = greedy_case(tiny_model_dir)
+    g = torch.Generator().manual_seed(4)
+    long_mask = torch.ones(3, 70, dtype=torch.long)
+    long_mask[1, :30] = 0
+    long_ids = torch.randint(4, 40, (3, 70), generator=g) * long_mask
+    args = (6, Sampling(do_sample=False), [8])
+    batches = ((short_ids, short_mask), (long_ids, long_mask))
+    eager = StaticDecoder(model, compile_step=False, buckets=False)  # before the compiled decoder patches the blocks
+    expected = [eager.generate(ids, mask, *args, pad_token_id=0) for ids, mask in batches]
+    counter = CompileCounterWithBackend("aot_eager")
+    decoder = StaticDecoder(model, compile_step=True, buckets=True, backend=counter, longest_prompt=100)
+    warm_tokens, _ = decoder.generate(short_ids, short_mask, *args, pad_token_id=0, stop_after=2)
+    assert counter.frame_count == 1 and list(decoder.caches) == [(4, 134)]
+    assert torch.equal(warm_tokens[:, :2], expected[0][0][:, :2]) and (warm_tokens[:, 2:] == 0).all()
+    for (ids, mask), (tokens, log_probs) in zip(batches, expected, strict=True):
+        got_tokens, got_log_probs = decoder.generate(ids, mask, *args, pad_token_id=0)
+        assert torch.equal(got_tokens, tokens)
+        torch.testing.assert_close(got_log_probs, log_probs, atol=1e-5, rtol=0)
+        assert log_probs.min() < -1
+    assert counter.frame_count == 1 and list(decoder.caches) == [(4, 134)]
+
+
 def test_a_later_decoder_loads_the_saved_decode_block_and_decodes_as_eager(tiny_model_dir, tmp_path, monkeypatch):
     """The decode block saved by one compiled decoder (`ketch.compiled`, `aot_eager` backend) is loaded by the
     next (as in a later run): no new form is compiled, and both give eager decoding's greedy tokens."""

@@ -208,3 +208,36 @@ def test_what_the_first_step_built_is_frozen_for_the_run_and_thawed_after_it(tin
     assert frozen_at_start[0] == 0
     assert min(frozen_at_start[1:]) > 10_000  # ~455,000 objects here
     assert gc.get_freeze_count() == 0
+
+
+def test_the_rollout_warms_up_on_the_first_steps_prompts_before_it(tiny_config, monkeypatch):
+    """`Rollout.warm_up` gets the first step's prompts, as the generating worker gets them, before any generation:
+    for ReMax once sampled and once greedy (its baseline); a resumed run warms up again, on its next step's."""
+    from ketch.rollout.hf import HFRollout
+
+    calls = []
+    generate, warm_up = HFRollout.generate, HFRollout.warm_up
+
+    def record(name, original):
+        def recorded(self, prompts):
+            calls.append((name, prompts.batch["input_ids"].clone(), prompts.meta_info.get("do_sample")))
+            return original(self, prompts)
+
+        return recorded
+
+    monkeypatch.setattr(HFRollout, "generate", record("generate", generate))
+    monkeypatch.setattr(HFRollout, "warm_up", record("warm_up", warm_up))
+    config = tiny_config("algorithm.adv_estimator=remax", "trainer.total_steps=1", "trainer.save_freq=1")
+    PPOTrainer(config).fit()
+    assert [(name, sample) for name, _, sample in calls] == [
+        ("warm_up", None),
+        ("warm_up", False),
+        ("generate", None),
+        ("generate", False),
+    ]
+    assert calls[0][1].shape[0] == 8 and all(torch.equal(c[1], calls[0][1]) for c in calls)
+    calls.clear()
+    trainer = PPOTrainer(tiny_config("algorithm.adv_estimator=remax", "trainer.total_steps=2"))
+    trainer.fit()
+    assert trainer.step == 2 and [name for name, _, _ in calls] == ["warm_up", "warm_up", "generate", "generate"]
+    assert all(torch.equal(c[1], calls[2][1]) for c in calls)

@@ -41,6 +41,12 @@ class Rollout(ABC):
     def weight_norm(self, name: str) -> float:
         """The norm of one parameter as the engine holds it (checks a weight hand-off)."""
 
+    def warm_up(self, prompts: DataProto) -> None:
+        """Get ready, before the first step, for `generate` calls on batches shaped like `prompts` (the first
+        step's, as this process will get them): load or compile, and capture, what their first call would. A
+        no-op where the backend has nothing to prepare per shape."""
+        return None
+
     def sleep(self) -> None:
         """Free generation memory while training runs (a no-op where the backend holds none)."""
         return None

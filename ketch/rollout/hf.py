@@ -4,6 +4,7 @@ whole or, with `rollout.tensor_parallel_size` > 1, this rank's tensor-parallel s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -36,28 +37,43 @@ class HFRollout(Rollout):
         static = config.rollout.hf_decoding == "static" or (
             config.rollout.hf_decoding == "auto" and device.type == "cuda"
         )
-        self.decoder = StaticDecoder(self.model, compile_step=device.type == "cuda") if static else None
+        compiled = device.type == "cuda"
+        longest = config.data.max_prompt_length
+        self.decoder = StaticDecoder(self.model, compiled, longest_prompt=longest) if static else None
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
-        """With tensor parallelism, the group decodes the prompts of all its ranks and each keeps its own rows."""
+        device = next(self.model.parameters()).device
+        responses, log_probs, rows = self._decode_together(prompts, self._decode)
+        if rows is not None:
+            responses, log_probs = responses[rows], log_probs[rows]
+        stops = None if self.config.ignore_eos else self.stop_token_ids
+        return rollout_output(prompts.to(device), responses, log_probs, stops, self.pad_token_id)
+
+    @torch.no_grad()
+    def warm_up(self, prompts: DataProto) -> None:
+        """With a compiled static decoder: two tokens for `prompts`, which load (or compile) the decode step of
+        their shape and capture it, as the first `generate` of that shape would."""
+        if self.decoder is not None and self.decoder.compiled:
+            self._decode_together(prompts, partial(self._decode, stop_after=2))
+
+    def _decode_together(self, prompts: DataProto, decode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`decode(prompts)` on this rank's device. With tensor parallelism, the group decodes the prompts of all
+        its ranks together (the same random numbers on each), and the rows of this rank's own are returned too."""
         device = next(self.model.parameters()).device
         if self.tp is None:
-            prompts = prompts.to(device)
-            responses, log_probs = self._decode(prompts)
-        else:
-            together, rows, seed = self.tp.group_prompts(prompts, self.pad_token_id)
-            with same_random_numbers(seed, device):
-                responses, log_probs = self._decode(together.to(device))
-            prompts, responses, log_probs = prompts.to(device), responses[rows], log_probs[rows]
-        stops = None if self.config.ignore_eos else self.stop_token_ids
-        return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
+            return *decode(prompts.to(device)), None
+        together, rows, seed = self.tp.group_prompts(prompts, self.pad_token_id)
+        with same_random_numbers(seed, device):
+            return *decode(together.to(device)), rows
 
-    def _decode(self, prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
-        """`responses` and their log-probs `[batch, max_response_length]`."""
+    def _decode(self, prompts: DataProto, stop_after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`responses` and their log-probs `[batch, max_response_length]`; `stop_after`: see `StaticDecoder`."""
         do_sample, temperature = call_sampling(prompts, self.config)
-        decode = self._decode_static if self.decoder is not None else self._decode_generate
-        return decode(prompts, do_sample, temperature, *call_limits(prompts, self.max_response_length))
+        limits = call_limits(prompts, self.max_response_length)
+        if self.decoder is None:
+            return self._decode_generate(prompts, do_sample, temperature, *limits)
+        return self._decode_static(prompts, do_sample, temperature, stop_after)
 
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
         prompt_ids = prompts.batch["input_ids"]
@@ -70,16 +86,15 @@ class HFRollout(Rollout):
         responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
         return responses, self._log_probs(out.logits, responses, temperature)
 
-    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
-        """Decodes `data.max_response_length` tokens or to a stop token, past `max_new` and any stop string (the
-        caller cuts there): one length keeps the compiled shapes few."""
+    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, stop_after: int | None):
+        """Decodes `data.max_response_length` tokens or to a stop token, past a call's `max_new_tokens` and stop
+        strings (the caller cuts there): one length keeps the compiled shapes few."""
         r = self.config
         sampling = Sampling(do_sample, temperature, r.top_p, r.top_k)
         stops = None if r.ignore_eos else self.stop_token_ids
         b = prompts.batch
-        return self.decoder.generate(
-            b["input_ids"], b["attention_mask"], self.max_response_length, sampling, stops, self.pad_token_id
-        )
+        args = (self.max_response_length, sampling, stops, self.pad_token_id, stop_after)
+        return self.decoder.generate(b["input_ids"], b["attention_mask"], *args)
 
     def _generation_config(
         self, do_sample: bool, temperature: float, max_new: int, stop: list[str]

@@ -14,7 +14,9 @@ stack, once per shape; the compiled block is saved, and a later run loads it wit
 (`ketch.compiled`). On CUDA the whole step, compiled blocks and the eager code around them, is then captured
 into one CUDA graph per shape and sampling setting, together with the sampling of the next token and the
 bookkeeping after it (where it lands, which rows have finished, the next step's inputs), so that a token costs
-one graph replay and no other launch.
+one graph replay and no other launch. With shape buckets, a KV cache has room for the rollout's longest prompt
+(`longest_prompt`) and the response, so batches whose prompts differ in length decode in one shape, and
+`generate(..., stop_after=2)` on a batch of the run's size loads and captures that shape before the first step.
 """
 
 from __future__ import annotations
@@ -112,15 +114,31 @@ class DecodeBuffers:
             self.seed.random_(2**62)
 
 
+def _finished(device: torch.device) -> float:
+    """The time once the work queued on `device` has run (a log line's timings)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class StaticDecoder:
     """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
 
-    def __init__(self, model: nn.Module, compile_step: bool, buckets: bool | None = None, backend: str = "inductor"):
+    def __init__(
+        self,
+        model: nn.Module,
+        compile_step: bool,
+        buckets: bool | None = None,
+        backend: str = "inductor",
+        longest_prompt: int = 0,
+    ):
         """`compile_step` compiles each transformer block (one graph shared by all, `backend` is torch.compile's)
         and on CUDA captures the decode step into a CUDA graph per shape; `buckets` (default: when compiling)
-        rounds batch shapes up so that few shapes are compiled and captured."""
+        rounds batch shapes up so that few shapes are compiled and captured, and sizes every KV cache for a prompt
+        of `longest_prompt` tokens or more."""
         self.model = model
         self.buckets = compile_step if buckets is None else buckets
+        self.longest_prompt = -(-longest_prompt // PROMPT_BUCKET) * PROMPT_BUCKET if self.buckets else 0
         use_cached_attention(model)
         self.blocks = transformer_blocks(model)
         fuse_projections(self.blocks)
@@ -214,7 +232,7 @@ class StaticDecoder:
         with torch.cuda.stream(side):
             self._iterate(*args)  # this token's iteration (capture runs nothing)
         torch.cuda.current_stream().wait_stream(side)
-        compiled = time.perf_counter()
+        compiled = _finished(b.tokens.device)
         b.graphs[key] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(b.graphs[key], pool=b.pool, capture_error_mode="thread_local"):
             self._iterate(*args)
@@ -234,21 +252,23 @@ class StaticDecoder:
         sampling: Sampling,
         stop_token_ids: list[int] | None,
         pad_token_id: int,
+        stop_after: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]`.
         After a row's first stop token its tokens are `pad_token_id` (log-prob 0); `stop_token_ids=None`
         decodes every row to the full length. With `buckets`, the batch runs padded to the next power of two
         rows and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a few compiled shapes
-        serve every batch; the padding rows are dropped from the result."""
+        serve every batch; the padding rows are dropped from the result. `stop_after` decodes only that many
+        tokens (the rest are `pad_token_id`) in the shape of `max_new_tokens`: a warm-up."""
         rows, prompt_len = input_ids.shape
+        args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
         if not self.buckets:
-            return self._generate(input_ids, attention_mask, max_new_tokens, sampling, stop_token_ids, pad_token_id)
+            return self._generate(input_ids, attention_mask, *args)
         extra_rows = (1 << (rows - 1).bit_length()) - rows
         extra_len = -prompt_len % PROMPT_BUCKET
         input_ids = nn.functional.pad(input_ids, (extra_len, 0, 0, extra_rows), value=pad_token_id)
         attention_mask = nn.functional.pad(attention_mask, (extra_len, 0, 0, extra_rows))
         attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
-        args = (max_new_tokens, sampling, stop_token_ids, pad_token_id)
         tokens, log_probs = self._generate(input_ids, attention_mask, *args, active_rows=rows)
         return tokens[:rows], log_probs[:rows]
 
@@ -260,30 +280,34 @@ class StaticDecoder:
         sampling: Sampling,
         stop_token_ids: list[int] | None,
         pad_token_id: int,
+        stop_after: int | None = None,
         active_rows: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`generate` on a batch as it is; rows from `active_rows` on count as finished from the start."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
-        new_shape = (batch, prompt_len + max_new_tokens) not in self.caches
+        shape = (batch, max(prompt_len, self.longest_prompt) + max_new_tokens)
+        new_shape = shape not in self.caches
         start = time.perf_counter()
-        b = self._buffers(batch, prompt_len + max_new_tokens, device)
+        b = self._buffers(*shape, device)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         b.start(attention_mask, positions[:, -1:], batch if active_rows is None else active_rows, pad_token_id)
         with eager():  # the prompt runs once per call: not worth a compile
             logits = self._step(input_ids, attention_mask, positions, torch.arange(prompt_len, device=device))
+        if new_shape and self.compiled:
+            prompt_s = _finished(device) - start
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         self._record(b, logits, sampling, is_stop, pad_token_id)
-        for t in range(1, max_new_tokens):
+        for t in range(1, min(max_new_tokens, stop_after or max_new_tokens)):
             if t % CHECK_EVERY == 0 and bool(b.done.all()):
                 break
             self._decode(b, sampling, is_stop, pad_token_id)
         if new_shape and self.compiled:
             logger.info(
-                "first decode of %d rows x %d tokens took %.1f s",
-                batch,
-                prompt_len + max_new_tokens,
-                time.perf_counter() - start,
+                "first decode of %d rows x %d tokens took %.2f s (its prompt %.2f s)",
+                *shape,
+                _finished(device) - start,
+                prompt_s,
             )
         end = prompt_len + max_new_tokens
         return b.responses[:, prompt_len:end].clone(), b.log_probs[:, prompt_len:end].clone()

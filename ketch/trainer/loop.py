@@ -39,7 +39,7 @@ class RunFailedError(RuntimeError):
 
 class TrainingLoop:
     """Subclasses set `config`, `run_dir`, `loader`, `total_steps`, `plan`, `tokenizer`, `val_set`,
-    `kl_ctrl` and implement `_build_groups`, `_train_step(batch)` and `_validate()`."""
+    `kl_ctrl` and implement `_build_groups`, `_warm_up()`, `_train_step(batch)` and `_validate()`."""
 
     step = 0
     val_history: list[dict[str, float]]
@@ -70,6 +70,8 @@ class TrainingLoop:
         the data position after the last of them: together they are what a checkpoint records."""
         t = self.config.trainer
         metrics: dict[str, float] = {}
+        if self.step < self.total_steps:
+            self._warm_up()
         if self.step == 0 and t.val_before_train and self.val_set is not None:
             self.tracker.log(self._validate_and_log_samples(step=0), step=0)
         first = self.step + 1
@@ -291,6 +293,9 @@ class TrainingLoop:
 
     # ----------------------------------------------------------------- for subclasses
     def _build_groups(self) -> WorkerGroups:
+        raise NotImplementedError
+
+    def _warm_up(self) -> None:
         raise NotImplementedError
 
     def _train_step(self, batch, step: int) -> dict[str, float]:

@@ -99,6 +99,15 @@ class PPOTrainer(TrainingLoop):
         self.standalone = StandaloneRollout(groups.actor_rollout, groups.rollout, check) if groups.rollout else None
         return groups
 
+    def _warm_up(self) -> None:
+        """The generating group gets ready for the next step's batch (`Rollout.warm_up`): on GPUs the decode step
+        of its shape is loaded and captured at start-up, not inside the first step; ReMax's greedy decode too."""
+        prompts = generation_inputs(self._expand(self.loader.peek()))
+        self.generator.warm_up_rollout(prompts)
+        if self.config.algorithm.adv_estimator == "remax":
+            prompts.meta_info["do_sample"] = False
+            self.generator.warm_up_rollout(prompts)
+
     def _train_step(self, batch: DataProto, step: int) -> dict[str, float]:
         timings: dict[str, float] = {}
         step_start = time.perf_counter()

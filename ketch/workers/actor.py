@@ -123,6 +123,13 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         self.rollout.sleep()
         return out
 
+    @register(PROCESS_COMPUTE_PROTO)
+    def warm_up_rollout(self, prompts: DataProto) -> None:
+        """`Rollout.warm_up` on this process's share of `prompts`, split as `generate_sequences` splits them."""
+        self.rollout.wake_up()
+        self.rollout.warm_up(prompts)
+        self.rollout.sleep()
+
     @register(DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """`old_log_prob` and `entropy` `[batch, response_len]` under the current actor."""

@@ -40,6 +40,11 @@ class RolloutWorker(DeviceMemory, Worker):
         """Sample responses for this process's prompts (see `Rollout.generate` for the fields)."""
         return self.rollout.generate(prompts).to("cpu")
 
+    @register(PROCESS_COMPUTE_PROTO)
+    def warm_up_rollout(self, prompts: DataProto) -> None:
+        """`Rollout.warm_up` on this process's share of `prompts`, split as `generate_sequences` splits them."""
+        self.rollout.warm_up(prompts)
+
     @register(ONE_TO_ALL)
     def join_weight_bridge(self, host: str, port: int) -> None:
         """Open bridge rank 1 + this rank (the actor's rank 0 is rank 0) and wait for the weights' specs."""

@@ -54,3 +54,25 @@ def test_compiled_static_decoding_gives_generates_greedy_tokens(family):
         assert torch.equal(tokens, expected)
         torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-4, rtol=0)
     assert len(next(iter(decoder.caches.values())).graphs) == 1
+
+
+def test_prompts_of_two_lengths_decode_in_the_graph_a_warm_up_captured():
+    """With `longest_prompt=100` the KV cache holds 128 prompt slots and 24 new tokens whatever the batch's prompt
+    length: a warm-up (two tokens) on prompts of 20 tokens captures the one graph, and prompts of 20 and of 90
+    tokens then replay it, with generate's greedy tokens; float32."""
+    model = tiny_decoder("qwen2")
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for length, padded in ((20, 7), (90, 40)):
+        input_ids = torch.randint(4, 512, (4, length), generator=g).cuda()
+        mask = torch.ones_like(input_ids)
+        mask[1, :padded] = 0
+        batches.append((input_ids, mask, *generate_greedy(model, input_ids, mask, 24, pad_token_id=0)))
+    decoder = StaticDecoder(model, compile_step=True, longest_prompt=100)
+    greedy = (24, Sampling(do_sample=False), None)
+    decoder.generate(batches[0][0], batches[0][1], *greedy, pad_token_id=0, stop_after=2)
+    for input_ids, mask, expected, expected_log_probs in batches:
+        tokens, log_probs = decoder.generate(input_ids, mask, *greedy, pad_token_id=0)
+        assert torch.equal(tokens, expected)
+        torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-4, rtol=0)
+    assert list(decoder.caches) == [(4, 152)] and len(decoder.caches[4, 152].graphs) == 1

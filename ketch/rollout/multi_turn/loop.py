@@ -169,6 +169,9 @@ class MultiTurnRollout(Rollout):
     def weight_norm(self, name: str) -> float:
         return self.backend.weight_norm(name)
 
+    def warm_up(self, prompts: DataProto) -> None:
+        self.backend.warm_up(prompts)
+
     def sleep(self) -> None:
         self.backend.sleep()
 
