@@ -34,20 +34,24 @@ class PromptLoader:
 
     def next_batch(self) -> DataProto:
         """The next batch; rolls over into the next epoch when this one is used up."""
-        if self.batch_index == self.batches_per_epoch:
-            self.epoch, self.batch_index = self.epoch + 1, 0
-        start = self.batch_index * self.batch_size
-        rows = self._order(self.epoch)[start : start + self.batch_size]
-        self.batch_index += 1
-        batch = DataProto.from_single_dict(self.dataset.collate([self.dataset[int(i)] for i in rows]))
-        batch.meta_info["epoch"] = self.epoch
-        return batch
+        epoch, index = self._next_position()
+        self.epoch, self.batch_index = epoch, index + 1
+        return self._batch(epoch, index)
 
     def peek(self) -> DataProto:
         """The batch that `next_batch` will return next, without moving."""
-        state = self.state_dict()
-        batch = self.next_batch()
-        self.load_state_dict(state)
+        return self._batch(*self._next_position())
+
+    def _next_position(self) -> tuple[int, int]:
+        """(epoch, batch index) of the next batch."""
+        if self.batch_index == self.batches_per_epoch:
+            return self.epoch + 1, 0
+        return self.epoch, self.batch_index
+
+    def _batch(self, epoch: int, index: int) -> DataProto:
+        rows = self._order(epoch)[index * self.batch_size : (index + 1) * self.batch_size]
+        batch = DataProto.from_single_dict(self.dataset.collate([self.dataset[int(i)] for i in rows]))
+        batch.meta_info["epoch"] = epoch
         return batch
 
     def state_dict(self) -> dict[str, int]:
