@@ -287,22 +287,21 @@ class StaticDecoder:
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         shape = (batch, max(prompt_len, self.longest_prompt) + max_new_tokens)
-        new_shape = shape not in self.caches
+        timed = self.compiled and shape not in self.caches  # a shape's first decode is logged, with its prompt's part
         start = time.perf_counter()
         b = self._buffers(*shape, device)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         b.start(attention_mask, positions[:, -1:], batch if active_rows is None else active_rows, pad_token_id)
         with eager():  # the prompt runs once per call: not worth a compile
             logits = self._step(input_ids, attention_mask, positions, torch.arange(prompt_len, device=device))
-        if new_shape and self.compiled:
-            prompt_s = _finished(device) - start
+        prompt_s = _finished(device) - start if timed else 0.0
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         self._record(b, logits, sampling, is_stop, pad_token_id)
         for t in range(1, min(max_new_tokens, stop_after or max_new_tokens)):
             if t % CHECK_EVERY == 0 and bool(b.done.all()):
                 break
             self._decode(b, sampling, is_stop, pad_token_id)
-        if new_shape and self.compiled:
+        if timed:
             logger.info(
                 "first decode of %d rows x %d tokens took %.2f s (its prompt %.2f s)",
                 *shape,
