@@ -43,12 +43,11 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
-        device = next(self.model.parameters()).device
         responses, log_probs, rows = self._decode_together(prompts, self._decode)
         if rows is not None:
             responses, log_probs = responses[rows], log_probs[rows]
         stops = None if self.config.ignore_eos else self.stop_token_ids
-        return rollout_output(prompts.to(device), responses, log_probs, stops, self.pad_token_id)
+        return rollout_output(prompts.to(responses.device), responses, log_probs, stops, self.pad_token_id)
 
     @torch.no_grad()
     def warm_up(self, prompts: DataProto) -> None:
