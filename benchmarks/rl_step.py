@@ -4,7 +4,8 @@ Workload (`--scale full`): a Qwen2.5-0.5B-shaped model with random weights in bf
 critic, 16 prompts x 8 samples per step, prompts of 128 tokens, responses of exactly 256 tokens
 (`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6, update micro-batches of up to 49,152 tokens (one
 per GPU). `--variant ppo` runs the same with a critic, GAE and a KL penalty to a reference policy.
-`--scale small` is a scaled-down copy that runs on a CPU.
+`--scale small` is a scaled-down copy that runs on a CPU; `--scale 1.5b`, `3b` and `7b` are Qwen2.5's larger shapes
+(their random weights drawn in bf16 on the GPU), with update micro-batches sized for one H200.
 `--workload variable` lets responses stop: one token id in `STOP_EVERY` is a stop token (about one stop
 per `STOP_EVERY` sampled tokens on a random model, so lengths spread over the whole range) and the reward
 pays for stopping early.
@@ -81,6 +82,36 @@ SCALES = {
         "response_len": 16,
         "micro": 16,
         "max_tokens": 512,
+        "tied": True,
+    },
+    "1.5b": {  # Qwen2.5-1.5B's shape, the fixed workload: one H200 with token-budget micro-batches
+        "vocab": 151936,
+        "hidden": 1536,
+        "intermediate": 8960,
+        "layers": 28,
+        "heads": 12,
+        "kv_heads": 2,
+        "prompts": 16,
+        "n": 8,
+        "prompt_len": 128,
+        "response_len": 256,
+        "micro": 32,
+        "max_tokens": 16384,
+        "tied": True,
+    },
+    "3b": {  # Qwen2.5-3B's shape, the fixed workload
+        "vocab": 151936,
+        "hidden": 2048,
+        "intermediate": 11008,
+        "layers": 36,
+        "heads": 16,
+        "kv_heads": 2,
+        "prompts": 16,
+        "n": 8,
+        "prompt_len": 128,
+        "response_len": 256,
+        "micro": 16,
+        "max_tokens": 8192,
         "tied": True,
     },
     "7b": {  # Qwen2.5-7B's shape: for Megatron TP=2 beside FSDP2 on two GPUs (with model.gradient_checkpointing)

@@ -1,0 +1,29 @@
+#!/bin/bash
+# ketch GRPO on Qwen2.5's larger shapes on one GPU (random weights, the fixed workload of `rl_step.py`), with the
+# TRL peer on the same shape in the same command where it fits (`.carry/trl_grpo_peer.py`, a copy of the shared
+# peer that reads SCALE (0.5b, 1.5b, 3b) and MICRO (its per-device micro-batch; gradient accumulation fills the
+# 128 rows of a step)). Stages, each one device command (timeouts add up to 560 s at most):
+#   1.5b   ketch and TRL on the 1.5B shape, then ketch on the 3B shape
+#   7b     ketch on the 7B shape with activation recomputation, then TRL on the 3B shape
+# Results (JSON) go to $OUT, the logs to $OUT/logs_STAGE.tgz. Set-up first (TRL from .whl/), then
+#   bash benchmarks/device/model_sizes.sh STAGE
+set -u
+mkdir -p "$OUT/logs"
+date=$(date -u +%F)
+stage() { local name=$1; shift; echo "=== $name $(date -u +%T)"; timeout "$@" >"$OUT/logs/$name.log" 2>&1; echo "rc=$? $(date -u +%T)"; grep -hE "^step|trl_grpo_step|Error|error" "$OUT/logs/$name.log" | tail -8; }
+step="python3 benchmarks/rl_step.py --variant grpo --warmup 1 --steps 3"
+peer() {  # peer SCALE MICRO TIMEOUT
+  SCALE=$1 MICRO=$2 stage "trl_$1" "$3" python3 .carry/trl_grpo_peer.py trl
+  mv "$OUT/peer_baseline.json" "$OUT/${date}_h200_trl_grpo_$1.json" 2>/dev/null
+}
+case ${1:?stage: 1.5b or 7b} in
+1.5b)
+  stage ketch_1.5b 200 $step --scale 1.5b --out "$OUT/${date}_h200_ketch_grpo_1.5b.json"
+  peer 1.5b 16 180
+  stage ketch_3b 180 $step --scale 3b --out "$OUT/${date}_h200_ketch_grpo_3b.json" ;;
+7b)
+  stage ketch_7b 330 $step --scale 7b --set model.gradient_checkpointing=true --out "$OUT/${date}_h200_ketch_grpo_7b.json"
+  peer 3b 8 230 ;;
+*) echo "unknown stage $1"; exit 2 ;;
+esac
+tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
