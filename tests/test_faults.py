@@ -61,6 +61,11 @@ def test_without_retries_a_failure_ends_the_run_with_a_summary(tiny_config, monk
         trainer.fit()
     assert "the run failed 1 time(s), more than trainer.max_retries=0 allows" in str(err.value)
     assert "step 2: actor_rollout rank 0: update_actor raised OutOfMemoryError: CUDA out of memory." in str(err.value)
+    # what to change comes with it, indented under the failure, with the run's own values
+    assert "\n    update_actor ran out of memory. Smaller forward passes: actor.ppo_micro_batch_size_per_device" in str(
+        err.value
+    )
+    assert events(trainer)[0]["advice"].startswith("update_actor ran out of memory.")
     assert (trainer.run_dir / "checkpoints" / "global_step_1").is_dir(), "checkpoint_on_failure saved step 1"
 
 

@@ -6,10 +6,19 @@ from __future__ import annotations
 class WorkerError(RuntimeError):
     """A worker method raised. `error` says what failed on one line (for a raising method: `<method> raised
     <Type>: <message>` of the worker's own exception) and `traceback` is the worker-side traceback; the
-    message holds both, after the role and rank."""
+    message holds both, after the role and rank. `method` is the worker method that was called."""
 
-    def __init__(self, role: str, rank: int, error: str, cause: BaseException | None = None, traceback: str = ""):
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        error: str,
+        cause: BaseException | None = None,
+        traceback: str = "",
+        method: str = "",
+    ):
         self.role, self.rank, self.error, self.cause, self.traceback = role, rank, error, cause, traceback.rstrip()
+        self.method = method
         super().__init__(f"{role} rank {rank}: {error}" + (f"\n{self.traceback}" if self.traceback else ""))
 
 

@@ -31,7 +31,9 @@ class LocalWorkerGroup:
         try:
             result = getattr(self.worker, name)(*rank_args, **rank_kwargs)
         except Exception as err:
-            raise WorkerError(self.role, 0, f"{name} raised {describe(err)}", err, traceback.format_exc()) from err
+            raise WorkerError(
+                self.role, 0, f"{name} raised {describe(err)}", err, traceback.format_exc(), method=name
+            ) from err
         return self.layout.gather(registration.dispatch, [result], context)
 
     def shutdown(self) -> None:

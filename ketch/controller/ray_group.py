@@ -201,6 +201,7 @@ class RayWorkerGroup:
                     role,
                     ranks[0],
                     f"{method} did not return within {timeout}s (trainer.worker_timeout; ranks still running: {ranks})",
+                    method=method,
                 )
             rank = pending.pop(ready[0])
             try:
@@ -233,13 +234,15 @@ class RayWorkerGroup:
         except RayTaskError as err:
             cause = err.cause if isinstance(err.cause, BaseException) else err
             remote = _ANSI.sub("", str(err))  # Ray's header (process, node) and the worker-side traceback
-            raise WorkerError(role, rank, f"{method} raised {describe(cause)}", cause, remote) from err
+            raise WorkerError(role, rank, f"{method} raised {describe(cause)}", cause, remote, method) from err
         except RayActorError as err:
             place = self.places.get(rank, {}) if hasattr(self, "places") else {}
             where = f"node {place.get('node_ip', '?')}, pid {place.get('pid', '?')}"
-            raise WorkerDiedError(role, rank, f"worker process died during {method} ({where}): {err}", err) from err
+            raise WorkerDiedError(
+                role, rank, f"worker process died during {method} ({where}): {err}", err, method=method
+            ) from err
         except GetTimeoutError as err:
-            raise WorkerTimeoutError(role, rank, f"{method} timed out") from err
+            raise WorkerTimeoutError(role, rank, f"{method} timed out", method=method) from err
 
     def shutdown(self) -> None:
         """Kill every worker process and free the pool's placement groups."""

@@ -26,6 +26,7 @@ from ketch.report import write_report
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import CheckpointManager, due, is_io_error, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
+from ketch.trainer.oom_advice import out_of_memory_advice
 from ketch.trainer.run_dir import removed_if_start_fails
 
 logger = logging.getLogger("ketch")
@@ -218,8 +219,12 @@ class TrainingLoop:
             "traceback": err.traceback if isinstance(err, WorkerError) else "".join(traceback.format_exception(err)),
             "out_of_memory": is_out_of_memory(err),
         }
+        if failure["out_of_memory"]:
+            failure["advice"] = out_of_memory_advice(getattr(err, "method", ""), self.config)
         self.failures.append(failure)
         where = f"step {failure['step']} failed ({failure['role']} rank {failure['rank']}): {failure['error']}"
+        if failure.get("advice"):
+            where += "\n" + failure["advice"]
         if isinstance(err, WorkerError):  # the driver's own errors reach the user whole as they propagate
             where += "\n" + failure["traceback"]
         logger.error(where)
@@ -249,7 +254,10 @@ class TrainingLoop:
             f"the run failed {len(self.failures)} time(s), more than trainer.max_retries="
             f"{self.config.trainer.max_retries} allows:"
         ]
-        lines += [f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}" for f in self.failures]
+        for f in self.failures:
+            lines.append(f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}")
+            if f.get("advice"):
+                lines.append(textwrap.fill(f["advice"], 116, initial_indent="    ", subsequent_indent="    "))
         if self.failures[-1]["traceback"]:
             lines += ["the last failure's traceback (the failure events in metrics.jsonl hold each one):"]
             lines += [textwrap.indent(self.failures[-1]["traceback"], "  ")]
