@@ -109,3 +109,33 @@ def test_static_decoding_is_greedy_like_generate(tiny_config):
     torch.testing.assert_close(
         outputs["static"]["rollout_log_probs"][mask], outputs["generate"]["rollout_log_probs"][mask], atol=1e-5, rtol=0
     )
+
+
+def weight_bytes(rollout) -> int:
+    """Bytes held by the rollout model's weights (each storage once)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in rollout.model.parameters()}
+    return sum(storage.nbytes() for storage in storages.values())
+
+
+@pytest.mark.parametrize("decoding", ["generate", "static"])
+def test_a_rollout_that_frees_its_memory_while_training_decodes_as_one_that_keeps_it(tiny_config, decoding):
+    settings = ("actor.optim.lr=0.05", "rollout.do_sample=false", f"rollout.hf_decoding={decoding}")
+    responses, held = {}, {}
+    for free in (False, True):
+        config = tiny_config(*settings, f"rollout.free_memory_while_training={free}")
+        group, batch = actor_group(config), prompts(config)
+        batch.meta_info["do_sample"] = False
+        first = group.generate_sequences(batch)
+        held[free] = weight_bytes(group.worker.rollout)  # while the actor trains
+        update = first.union(group.compute_log_prob(first))
+        update.batch["advantages"] = torch.randn(
+            update.batch["response_mask"].shape, generator=torch.Generator().manual_seed(0)
+        )
+        group.update_actor(update)  # its hand-off gives the dropped weights back
+        second = group.generate_sequences(batch)
+        third = group.generate_sequences(batch)  # no update since: the worker hands the weights over first
+        responses[free] = [out.batch["responses"] for out in (first, second, third)]
+    assert held[False] > 0 and held[True] == 0
+    assert not torch.equal(responses[False][0], responses[False][1]), "the update changed the greedy responses"
+    for kept, freed in zip(responses[False], responses[True], strict=True):
+        assert torch.equal(kept, freed)

@@ -5,6 +5,8 @@
 # 128 rows of a step)). Stages, each one device command (timeouts add up to 560 s at most):
 #   1.5b   ketch and TRL on the 1.5B shape, then ketch on the 3B shape
 #   7b     ketch on the 7B shape with activation recomputation, then TRL on the 3B shape
+#   free   the static decoder's GPU tests, then the 7B shape with rollout.free_memory_while_training=true (the
+#          rollout's weights and KV cache dropped while the update runs), then the 0.5B shape without and with it
 # Results (JSON) go to $OUT, the logs to $OUT/logs_STAGE.tgz. Set-up first (TRL from .whl/), then
 #   bash benchmarks/device/model_sizes.sh STAGE
 set -u
@@ -16,7 +18,7 @@ peer() {  # peer SCALE MICRO TIMEOUT
   SCALE=$1 MICRO=$2 stage "trl_$1" "$3" python3 .carry/trl_grpo_peer.py trl
   mv "$OUT/peer_baseline.json" "$OUT/${date}_h200_trl_grpo_$1.json" 2>/dev/null
 }
-case ${1:?stage: 1.5b or 7b} in
+case ${1:?stage: 1.5b, 7b or free} in
 1.5b)
   stage ketch_1.5b 200 $step --scale 1.5b --out "$OUT/${date}_h200_ketch_grpo_1.5b.json"
   peer 1.5b 16 180
@@ -24,6 +26,14 @@ case ${1:?stage: 1.5b or 7b} in
 7b)
   stage ketch_7b 330 $step --scale 7b --set model.gradient_checkpointing=true --out "$OUT/${date}_h200_ketch_grpo_7b.json"
   peer 3b 8 230 ;;
+free)
+  stage tests_decode 100 python3 -m pytest tests/gpu/test_decode_kernel_gpu.py -q -p no:cacheprovider
+  stage ketch_7b_free 260 $step --scale 7b --set model.gradient_checkpointing=true \
+    rollout.free_memory_while_training=true --out "$OUT/${date}_h200_ketch_grpo_7b_free_memory.json"
+  for free in false true; do
+    stage "ketch_0.5b_free_$free" 80 $step --set rollout.free_memory_while_training=$free \
+      --out "$OUT/${date}_h200_ketch_grpo_0.5b_free_memory_$free.json"
+  done ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

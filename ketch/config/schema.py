@@ -335,6 +335,11 @@ class RolloutConfig:
     """vLLM: reuse the KV cache of shared prompt prefixes (the n samples of a prompt)."""
     check_weight_sync: bool = False
     """Debug: after each weight hand-off, compare one weight's norm in the rollout engine with the actor's."""
+    free_memory_while_training: bool = False
+    """hf rollout in the hybrid placement: drop the rollout's copy of the weights and its KV caches after each
+    generation, so that training has that memory (2 bytes per parameter in bf16, plus the cache), and take the
+    weights again at the next hand-off (each decode shape's CUDA graph is captured again). vLLM frees its memory
+    between generations by itself where it can (sleep mode)."""
     placement: Literal["hybrid", "standalone"] = "hybrid"
     """hybrid: the rollout engine lives in the actor's processes and takes its weights in memory; standalone: it
     gets processes (devices) of its own, `rollout.n_workers_per_node` per node (Ray), and the actor's rank 0

@@ -47,6 +47,9 @@ class Rollout(ABC):
         no-op where the backend has nothing to prepare per shape."""
         return None
 
+    dropped_weights = False
+    """Whether `sleep` dropped the weights: the engine needs an `update_weights` before it generates again."""
+
     def sleep(self) -> None:
         """Free generation memory while training runs (a no-op where the backend holds none)."""
         return None

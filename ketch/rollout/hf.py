@@ -30,6 +30,8 @@ class HFRollout(Rollout):
         size = config.rollout.tensor_parallel_size
         self.tp = TensorParallel(size) if size > 1 else None
         self.model = self.tp.shard_model(model, device) if self.tp else model.to(device).eval()
+        if config.rollout.free_memory_while_training:
+            _own_weight_memory(self.model)
         self.config = config.rollout
         self.max_response_length = config.data.max_response_length
         self.tokenizer, self.pad_token_id = tokenizer, tokenizer.pad_token_id
@@ -40,6 +42,7 @@ class HFRollout(Rollout):
         compiled = device.type == "cuda"
         longest = config.data.max_prompt_length
         self.decoder = StaticDecoder(self.model, compiled, longest_prompt=longest) if static else None
+        self.dropped: list[tuple[torch.UntypedStorage, int]] = []
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
@@ -128,11 +131,39 @@ class HFRollout(Rollout):
     def weight_norm(self, name: str) -> float:
         return self.model.get_parameter(name).float().norm().item()
 
+    @property
+    def dropped_weights(self) -> bool:
+        return bool(self.dropped)
+
+    def sleep(self) -> None:
+        """With `rollout.free_memory_while_training`: free the weights' memory (each storage resized to nothing,
+        so the parameters, their fused views and tied names keep their objects) and the KV caches."""
+        if not self.config.free_memory_while_training or self.dropped:
+            return
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()}
+        self.dropped = [(storage, storage.nbytes()) for storage in storages.values()]
+        for storage, _ in self.dropped:
+            storage.resize_(0)
+        if self.decoder is not None:
+            self.decoder.release()
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each full tensor (or, with tensor parallelism, this rank's shard of it) into the model."""
+        """Copy each full tensor (or, with tensor parallelism, this rank's shard of it) into the model; weights
+        that `sleep` dropped get their memory back first (every one of them is then overwritten)."""
+        for storage, size in self.dropped:
+            storage.resize_(size)
+        self.dropped = []
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")
             params[name].copy_(self.tp.shard(name, tensor) if self.tp else tensor)
+
+
+def _own_weight_memory(model: nn.Module) -> None:
+    """Give weights that sit in memory the model does not own (a memory-mapped checkpoint file on the CPU) a copy
+    of their own, which `HFRollout.sleep` can free and `update_weights` allocate again."""
+    for param in model.parameters():
+        if not param.untyped_storage().resizable():
+            param.data = param.data.clone()

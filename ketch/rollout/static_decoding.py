@@ -143,6 +143,8 @@ class StaticDecoder:
         self.blocks = transformer_blocks(model)
         fuse_projections(self.blocks)
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
+        self.seen: set[tuple] = set()
+        """Shapes (and shapes with a sampling key) decoded before: they are logged the first time only."""
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
@@ -158,6 +160,11 @@ class StaticDecoder:
                 _sampler("cuda").load()
             for block in self.blocks:
                 block.forward = partial(compiled, block)
+
+    def release(self) -> None:
+        """Drop every shape's KV cache and CUDA graphs; the next `generate` of a shape allocates and captures it
+        again (its compiled block stays loaded)."""
+        self.caches.clear()
 
     def _step(self, tokens, attention_mask, position_ids, cache_slots):
         """Logits `[batch, vocab]` of the last position (in the model's dtype: the sampler reads them as float32),
@@ -175,7 +182,7 @@ class StaticDecoder:
     def _buffers(self, batch: int, length: int, device: torch.device) -> DecodeBuffers:
         key = (batch, length)
         if key not in self.caches:
-            if self.compiled:
+            if self.compiled and key not in self.seen:
                 logger.info(
                     "compiling the decode step for %d rows x %d tokens: one %s graph for its %d blocks%s "
                     "(once per shape, or loaded from %s)",
@@ -236,7 +243,10 @@ class StaticDecoder:
         b.graphs[key] = torch.cuda.CUDAGraph()
         with torch.cuda.graph(b.graphs[key], pool=b.pool, capture_error_mode="thread_local"):
             self._iterate(*args)
-        logger.info(
+        seen = (tuple(b.mask.shape), key)
+        log = logger.debug if seen in self.seen else logger.info  # captured again: after `release`
+        self.seen.add(seen)
+        log(
             "decode step of %d rows x %d tokens: compiled/loaded in %.1f s, CUDA graph captured in %.1f s",
             *b.mask.shape,
             compiled - start,
@@ -287,7 +297,7 @@ class StaticDecoder:
         batch, prompt_len = input_ids.shape
         device = input_ids.device
         shape = (batch, max(prompt_len, self.longest_prompt) + max_new_tokens)
-        timed = self.compiled and shape not in self.caches  # a shape's first decode is logged, with its prompt's part
+        timed = self.compiled and shape not in self.seen  # a shape's first decode is logged, with its prompt's part
         start = time.perf_counter()
         b = self._buffers(*shape, device)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -308,6 +318,7 @@ class StaticDecoder:
                 _finished(device) - start,
                 prompt_s,
             )
+        self.seen.add(shape)
         end = prompt_len + max_new_tokens
         return b.responses[:, prompt_len:end].clone(), b.log_probs[:, prompt_len:end].clone()
 

@@ -118,7 +118,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         Megatron's tensor/pipeline peers each generate their own share instead of the same one, and the ranks of
         a tensor-parallel hf rollout (`rollout.tensor_parallel_size`) decode their shares together, each getting
         its own back."""
-        self.rollout.wake_up()
+        self._wake_rollout()
         out = self.rollout.generate(prompts).to("cpu")
         self.rollout.sleep()
         return out
@@ -126,9 +126,16 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     @register(PROCESS_COMPUTE_PROTO)
     def warm_up_rollout(self, prompts: DataProto) -> None:
         """`Rollout.warm_up` on this process's share of `prompts`, split as `generate_sequences` splits them."""
-        self.rollout.wake_up()
+        self._wake_rollout()
         self.rollout.warm_up(prompts)
         self.rollout.sleep()
+
+    def _wake_rollout(self) -> None:
+        """Wake the rollout engine; one that dropped its weights while asleep (`rollout.free_memory_while_training`)
+        and has had no hand-off since (a second generation in a step, validation) gets them first."""
+        if self.rollout.dropped_weights:
+            self._sync_rollout()
+        self.rollout.wake_up()
 
     @register(DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

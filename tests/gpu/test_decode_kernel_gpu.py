@@ -76,3 +76,33 @@ def test_prompts_of_two_lengths_decode_in_the_graph_a_warm_up_captured():
         assert torch.equal(tokens, expected)
         torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-4, rtol=0)
     assert list(decoder.caches) == [(4, 152)] and len(decoder.caches[4, 152].graphs) == 1
+
+
+def test_a_released_decoder_captures_again_where_its_weights_come_back():
+    """The hf rollout's `sleep` with `rollout.free_memory_while_training`: the KV caches and graphs released, the
+    weights' storages resized to nothing, then given memory again (elsewhere: another tensor took their place)
+    and refilled; the next generation captures a new graph on the new addresses and gives the same greedy tokens
+    as before; float32."""
+    model = tiny_decoder("qwen2")
+    input_ids = torch.randint(4, 512, (4, 20), generator=torch.Generator().manual_seed(3)).cuda()
+    mask = torch.ones_like(input_ids)
+    greedy = (input_ids, mask, 24, Sampling(do_sample=False), None)
+    decoder = StaticDecoder(model, compile_step=True)
+    expected, _ = decoder.generate(*greedy, pad_token_id=0)
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+    sizes = [(storage, storage.nbytes()) for storage in storages.values()]
+    decoder.release()
+    for storage, _ in sizes:
+        storage.resize_(0)
+    squatters = [torch.empty(size, dtype=torch.uint8, device="cuda") for _, size in sizes]  # the freed blocks
+    for storage, size in sizes:
+        storage.resize_(size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    assert all(storage.data_ptr() not in storages for storage, _ in sizes), "the weights moved"
+    del squatters
+    tokens, _ = decoder.generate(*greedy, pad_token_id=0)
+    assert torch.equal(tokens, expected)
+    assert len(next(iter(decoder.caches.values())).graphs) == 1

@@ -166,6 +166,10 @@ class MultiTurnRollout(Rollout):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.backend.update_weights(named_tensors)
 
+    @property
+    def dropped_weights(self) -> bool:
+        return self.backend.dropped_weights
+
     def weight_norm(self, name: str) -> float:
         return self.backend.weight_norm(name)
 
