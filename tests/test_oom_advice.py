@@ -15,6 +15,7 @@ def test_an_update_names_its_token_budget_recomputation_and_the_training_state()
     )
     assert out_of_memory_advice("update_actor", config) == (
         "update_actor ran out of memory. Smaller forward passes: actor.ppo_max_token_len_per_device=16384 tokens. "
+        "rollout.free_memory_while_training=true frees the rollout's weights and KV cache meanwhile. "
         "model.gradient_checkpointing=true keeps only each block's input and recomputes the rest in the backward "
         "pass. Each trained model holds 16 bytes per parameter (float32 weights and gradients, two AdamW moments) "
         "shared over its GPUs (trainer.nnodes=1 x trainer.n_gpus_per_node=1), beside the hf rollout's whole copy "
@@ -24,13 +25,21 @@ def test_an_update_names_its_token_budget_recomputation_and_the_training_state()
 
 
 def test_a_forward_pass_names_its_own_micro_batch_key_and_no_recomputation():
-    config = load_config(overrides=["ref.log_prob_micro_batch_size_per_device=4", "model.gradient_checkpointing=true"])
+    config = load_config(
+        overrides=[
+            "ref.log_prob_micro_batch_size_per_device=4",
+            "model.gradient_checkpointing=true",
+            "rollout.free_memory_while_training=true",
+        ]
+    )
     advice = out_of_memory_advice("compute_ref_log_prob", config)
     assert advice.startswith(
         "compute_ref_log_prob ran out of memory. Smaller forward passes: ref.log_prob_micro_batch_size_per_device=4 "
         "sequences, or actor.use_dynamic_bsz=true to bound the tokens instead. Each trained model"
     )
-    critic = out_of_memory_advice("update_critic", load_config(overrides=["actor.strategy=megatron"]))
+    critic = out_of_memory_advice(
+        "update_critic", load_config(overrides=["actor.strategy=megatron", "rollout.placement=standalone"])
+    )
     assert critic.startswith(
         "update_critic ran out of memory. Smaller forward passes: critic.ppo_micro_batch_size_per_device (unset: all "
         "of a GPU's sequences at once). model.gradient_checkpointing=true"

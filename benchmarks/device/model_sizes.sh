@@ -1,12 +1,15 @@
 #!/bin/bash
 # ketch GRPO on Qwen2.5's larger shapes on one GPU (random weights, the fixed workload of `rl_step.py`), with the
-# TRL peer on the same shape in the same command where it fits (`.carry/trl_grpo_peer.py`, a copy of the shared
-# peer that reads SCALE (0.5b, 1.5b, 3b) and MICRO (its per-device micro-batch; gradient accumulation fills the
-# 128 rows of a step)). Stages, each one device command (timeouts add up to 560 s at most):
+# TRL peer on the same shape in the same command where it fits. The peer is `.carry/trl_grpo_peer.py`, a copy of
+# ../shared/device/trl_grpo_peer.py changed in three places: the model's hidden/intermediate sizes, layers and
+# heads come from Qwen2.5's shape named by $SCALE (0.5b, 1.5b, 3b); GRPOConfig gets per_device_train_batch_size=
+# $MICRO and gradient_accumulation_steps=128/$MICRO; a step's time is that between two optimizer steps' ends
+# (on_step_end). Stages, each one device command (timeouts add up to 560 s at most):
 #   1.5b   ketch and TRL on the 1.5B shape, then ketch on the 3B shape
 #   7b     ketch on the 7B shape with activation recomputation, then TRL on the 3B shape
-#   free   the static decoder's GPU tests, then the 7B shape with rollout.free_memory_while_training=true (the
-#          rollout's weights and KV cache dropped while the update runs), then the 0.5B shape without and with it
+#   free   the static decoder's GPU tests, the 0.5B shape without and with rollout.free_memory_while_training=true
+#          (the rollout's weights and KV cache dropped while the update runs), the 3B shape with it
+#   7b_free  the 7B shape with it, recomputation and 4,096-token micro-batches (fits one H200)
 # Results (JSON) go to $OUT, the logs to $OUT/logs_STAGE.tgz. Set-up first (TRL from .whl/), then
 #   bash benchmarks/device/model_sizes.sh STAGE
 set -u
@@ -18,7 +21,7 @@ peer() {  # peer SCALE MICRO TIMEOUT
   SCALE=$1 MICRO=$2 stage "trl_$1" "$3" python3 .carry/trl_grpo_peer.py trl
   mv "$OUT/peer_baseline.json" "$OUT/${date}_h200_trl_grpo_$1.json" 2>/dev/null
 }
-case ${1:?stage: 1.5b, 7b or free} in
+case ${1:?stage: 1.5b, 7b, free or 7b_free} in
 1.5b)
   stage ketch_1.5b 200 $step --scale 1.5b --out "$OUT/${date}_h200_ketch_grpo_1.5b.json"
   peer 1.5b 16 180
@@ -28,12 +31,16 @@ case ${1:?stage: 1.5b, 7b or free} in
   peer 3b 8 230 ;;
 free)
   stage tests_decode 100 python3 -m pytest tests/gpu/test_decode_kernel_gpu.py -q -p no:cacheprovider
-  stage ketch_7b_free 260 $step --scale 7b --set model.gradient_checkpointing=true \
-    rollout.free_memory_while_training=true --out "$OUT/${date}_h200_ketch_grpo_7b_free_memory.json"
   for free in false true; do
     stage "ketch_0.5b_free_$free" 80 $step --set rollout.free_memory_while_training=$free \
       --out "$OUT/${date}_h200_ketch_grpo_0.5b_free_memory_$free.json"
-  done ;;
+  done
+  stage ketch_3b_free 130 $step --scale 3b --set rollout.free_memory_while_training=true \
+    --out "$OUT/${date}_h200_ketch_grpo_3b_free_memory.json" ;;
+7b_free)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage ketch_7b_free 250 $step --scale 7b --set \
+    model.gradient_checkpointing=true rollout.free_memory_while_training=true actor.ppo_max_token_len_per_device=4096 \
+    --out "$OUT/${date}_h200_ketch_grpo_7b_free_memory_4096tokens.json" ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

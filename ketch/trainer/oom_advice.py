@@ -21,6 +21,9 @@ def out_of_memory_advice(method: str, config: KetchConfig) -> str:
     if micro is None:
         return ""
     lines = [f"{method} ran out of memory. Smaller forward passes: {micro}."]
+    r = config.rollout
+    if r.name == "hf" and r.placement == "hybrid" and not r.free_memory_while_training and method != "sft_step":
+        lines.append("rollout.free_memory_while_training=true frees the rollout's weights and KV cache meanwhile.")
     if method in UPDATES and not config.model.gradient_checkpointing:
         lines.append(
             "model.gradient_checkpointing=true keeps only each block's input and recomputes the rest in the backward "
