@@ -143,8 +143,7 @@ class StaticDecoder:
         self.blocks = transformer_blocks(model)
         fuse_projections(self.blocks)
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
-        self.seen: set[tuple] = set()
-        """Shapes (and shapes with a sampling key) decoded before: they are logged the first time only."""
+        self.seen: set[tuple] = set()  # shapes (and shapes with a sampling key) decoded before: logged once
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
