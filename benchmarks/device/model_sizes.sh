@@ -38,9 +38,9 @@ free)
   stage ketch_3b_free 130 $step --scale 3b --set rollout.free_memory_while_training=true \
     --out "$OUT/${date}_h200_ketch_grpo_3b_free_memory.json" ;;
 7b_free)
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage ketch_7b_free 250 $step --scale 7b --set \
-    model.gradient_checkpointing=true rollout.free_memory_while_training=true actor.ppo_max_token_len_per_device=4096 \
-    --out "$OUT/${date}_h200_ketch_grpo_7b_free_memory_4096tokens.json" ;;
+  stage ketch_7b_free 250 $step --scale 7b --set model.gradient_checkpointing=true \
+    rollout.free_memory_while_training=true actor.ppo_max_token_len_per_device=4096 \
+    --out "$OUT/${date}_h200_ketch_grpo_7b_free_memory_4096tokens_no_expandable.json" ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"
