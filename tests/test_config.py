@@ -93,6 +93,12 @@ def test_kl_in_reward_and_loss_together_is_a_conflict():
         load_config(overrides=["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=true"])
 
 
+@pytest.mark.parametrize("where", ["rollout.name=vllm", "rollout.placement=standalone"])
+def test_freeing_the_rollouts_memory_is_for_the_hf_rollout_beside_the_actor(where):
+    with pytest.raises(ConfigError, match=r"rollout.free_memory_while_training frees the memory of an hf rollout"):
+        load_config(overrides=["rollout.free_memory_while_training=true", where, "trainer.backend=ray"])
+
+
 def test_all_problems_are_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["rollout.temperature=0", "data.max_prompt_length=0"])

@@ -300,6 +300,18 @@ def _standalone_rollout(c: KetchConfig) -> str | None:
     return None
 
 
+def _free_memory(c: KetchConfig) -> str | None:
+    r = c.rollout
+    if r.free_memory_while_training and (r.name != "hf" or r.placement != "hybrid"):
+        return (
+            "rollout.free_memory_while_training frees the memory of an hf rollout that shares the actor's GPUs "
+            f"(rollout.name=hf, rollout.placement=hybrid), not of rollout.name={r.name} with rollout.placement="
+            f"{r.placement}: vLLM frees its own memory between generations, and a standalone rollout trains nothing "
+            "beside it; leave it unset"
+        )
+    return None
+
+
 def _rollout_is(c: KetchConfig) -> str | None:
     a = c.actor
     if a.rollout_is is not None and a.recompute_old_log_prob is False:
@@ -332,4 +344,4 @@ def _dapo(c: KetchConfig) -> str | None:
 
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory)
