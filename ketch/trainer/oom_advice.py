@@ -7,10 +7,24 @@ the failure's log line and of the summary the run ends with.
 
 from __future__ import annotations
 
+from functools import reduce
+
 from ketch.config import KetchConfig
 
 GENERATION = ("generate_sequences", "warm_up_rollout")
 UPDATES = ("update_actor", "update_critic", "sft_step")
+TOKEN_BUDGETED = ("update_actor", "compute_log_prob", "compute_ref_log_prob")
+"""The stages that `actor.use_dynamic_bsz` sizes by tokens."""
+MICRO_BATCH_KEYS = {
+    "update_actor": "actor.ppo_micro_batch_size_per_device",
+    "sft_step": "actor.ppo_micro_batch_size_per_device",
+    "compute_log_prob": "rollout.log_prob_micro_batch_size_per_device",
+    "compute_ref_log_prob": "ref.log_prob_micro_batch_size_per_device",
+    "update_critic": "critic.ppo_micro_batch_size_per_device",
+    "compute_values": "critic.ppo_micro_batch_size_per_device",
+    "compute_rm_score": "reward.model.micro_batch_size_per_device",
+}
+"""Worker method -> the key that sets the sequences of its forward passes."""
 
 
 def out_of_memory_advice(method: str, config: KetchConfig) -> str:
@@ -46,31 +60,14 @@ def out_of_memory_advice(method: str, config: KetchConfig) -> str:
 def _micro_batch_setting(method: str, config: KetchConfig) -> str | None:
     """The setting (and its value) that sizes one forward pass of `method`'s stage; None for other methods."""
     a = config.actor
-    if a.use_dynamic_bsz and method in ("update_actor", "compute_log_prob", "compute_ref_log_prob"):
+    if a.use_dynamic_bsz and method in TOKEN_BUDGETED:
         return f"actor.ppo_max_token_len_per_device={a.ppo_max_token_len_per_device} tokens"
-    keys = {
-        "update_actor": ("actor.ppo_micro_batch_size_per_device", a.ppo_micro_batch_size_per_device),
-        "sft_step": ("actor.ppo_micro_batch_size_per_device", a.ppo_micro_batch_size_per_device),
-        "compute_log_prob": (
-            "rollout.log_prob_micro_batch_size_per_device",
-            config.rollout.log_prob_micro_batch_size_per_device,
-        ),
-        "compute_ref_log_prob": (
-            "ref.log_prob_micro_batch_size_per_device",
-            config.ref.log_prob_micro_batch_size_per_device,
-        ),
-        "update_critic": ("critic.ppo_micro_batch_size_per_device", config.critic.ppo_micro_batch_size_per_device),
-        "compute_values": ("critic.ppo_micro_batch_size_per_device", config.critic.ppo_micro_batch_size_per_device),
-        "compute_rm_score": (
-            "reward.model.micro_batch_size_per_device",
-            config.reward.model.micro_batch_size_per_device,
-        ),
-    }
-    if method not in keys:
+    key = MICRO_BATCH_KEYS.get(method)
+    if key is None:
         return None
-    key, value = keys[method]
+    value = reduce(getattr, key.split("."), config)
     setting = f"{key}={value} sequences" if value else f"{key} (unset: all of a GPU's sequences at once)"
-    if method in ("update_actor", "compute_log_prob", "compute_ref_log_prob"):
+    if method in TOKEN_BUDGETED:
         setting += ", or actor.use_dynamic_bsz=true to bound the tokens instead"
     return setting
 
