@@ -44,8 +44,15 @@ def engine_for(model_dir) -> TrainEngine:
     return TrainEngine(PolicyModel(lm), CPU, OptimConfig(lr=0.0, grad_clip=0.0), total_steps=1)
 
 
-def grads(engine: TrainEngine) -> dict[str, torch.Tensor]:
-    return {n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()}
+def record_grads(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """The gradients of the engine's next optimizer step, recorded before the step (which frees them)."""
+    grads = {}
+
+    def record(*_):
+        grads.update({n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()})
+
+    engine.optimizer.register_step_pre_hook(record)
+    return grads
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -64,11 +71,13 @@ def test_gradient_is_the_same_for_one_micro_batch_of_8_and_8_of_1(tiny_model_dir
         return loss, {}
 
     whole, split = engine_for(tiny_model_dir), engine_for(tiny_model_dir)
+    g_whole, g_split = record_grads(whole), record_grads(split)
     data = make_batch(vocab=100)
     metrics_whole = whole.train_mini_batch(split_micro_batches(data, 8), loss_fn)
     metrics_split = split.train_mini_batch(split_micro_batches(data, 1), loss_fn)
     assert metrics_split["loss"] == pytest.approx(metrics_whole["loss"], abs=1e-6)
-    g_whole, g_split = grads(whole), grads(split)
+    assert all(p.grad is None for p in whole.module.parameters())  # freed after the step
+    assert len(g_whole) == len(g_split) > 0
     for name in g_whole:
         torch.testing.assert_close(g_split[name], g_whole[name], atol=1e-6, rtol=1e-5)
 
@@ -182,10 +191,11 @@ def test_compiled_blocks_give_the_eager_log_probs_entropy_and_gradients(tiny_mod
         b = micro.batch
         return policy_loss(b["old_log_prob"], o["log_prob"], b["advantages"], b["response_mask"])[0], {}
 
+    g_compiled, g_eager = record_grads(engines[True]), record_grads(engines[False])
     metrics = {c: e.train_mini_batch(split_micro_batches(data, 8), loss_fn) for c, e in engines.items()}
     assert metrics[True]["grad_norm"] == pytest.approx(metrics[False]["grad_norm"], abs=1e-6)
     assert metrics[False]["grad_norm"] > 1e-3
-    g_compiled, g_eager = grads(engines[True]), grads(engines[False])
+    assert len(g_eager) == len(g_compiled) > 0
     for name in g_eager:
         torch.testing.assert_close(g_compiled[name], g_eager[name], atol=1e-6, rtol=1e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the blocks' forward: no grad, and grad

@@ -67,6 +67,14 @@ def test_sequence_parallel_without_tensor_parallelism_is_a_conflict():
         megatron("actor.megatron.sequence_parallel=true")
 
 
+def test_optimizer_offload_is_refused_with_megatron_by_key():
+    with pytest.raises(
+        ConfigError, match=r"critic\.optim\.offload keeps FSDP's AdamW moments in host memory and is not"
+    ):
+        megatron("algorithm.adv_estimator=gae", "critic.strategy=megatron", "critic.optim.offload=true")
+    megatron("actor.strategy=fsdp", "actor.optim.offload=true")  # FSDP's optimizer offloads
+
+
 def test_megatron_on_a_cpu_is_refused_by_key():
     with pytest.raises(ConfigError, match=r"actor\.strategy=megatron trains on GPUs only, but trainer\.device=cpu"):
         load_config(overrides=["actor.strategy=megatron", "trainer.device=cpu"])

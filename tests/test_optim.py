@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from ketch.engine.distributed import init_process_group
 from ketch.engine.engine import shard
-from ketch.engine.optim import ShardedFusedAdamW, step_unless
+from ketch.engine.optim import OffloadedAdamW, ShardedFusedAdamW, step_unless
 
 CPU = torch.device("cpu")
 
@@ -71,3 +71,47 @@ def test_a_step_skipped_on_the_device_leaves_weights_moments_and_counts():
         for state in skipping.state_dict()["state"].values():
             assert state["step"].item() == 2.0
             assert torch.isfinite(state["exp_avg_sq"].full_tensor()).all()
+
+
+def test_offloaded_moments_step_in_chunks_as_sharded_fused_adamw_and_checkpoints_interchange():
+    """Chunks of 7 columns cut through parameters and across them; the last layer's bias gets no gradient, and
+    the second of three steps is skipped. Weights equal ShardedFusedAdamW's bit for bit, moments to float32
+    rounding; the moments live in the host buffer; each optimizer takes a fourth step from the other's state
+    dict as from its own."""
+    init_process_group(CPU)
+    models = [sharded_model(), sharded_model()]
+    kwargs = {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.05}
+    offloaded = OffloadedAdamW(models[0].parameters(), chunk_elements=7, **kwargs)
+    plain = ShardedFusedAdamW(models[1].parameters(), **kwargs)
+    assert offloaded.host[torch.float32].shape == (2, 8 * 16 + 16 + 16 * 4 + 4 + 4 * 4 + 4)
+
+    def step(optimizers, step, skip=False):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            for i, p in enumerate(model.parameters()):
+                p.grad = None if i == 5 else torch.full_like(p, float("nan") if skip else 0.5 + step) * (i + 1)
+            step_unless(optimizer, torch.tensor(skip))
+
+    for n, skip in enumerate((False, True, False)):
+        step((offloaded, plain), n, skip)
+    for mine, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor(), atol=0, rtol=0)
+    states = [o.state_dict()["state"] for o in (offloaded, plain)]
+    assert sorted(states[0]) == sorted(states[1]) == [0, 1, 2, 3, 4]
+    host = offloaded.host[torch.float32]
+    for key in states[1]:
+        assert states[0][key]["step"].item() == states[1][key]["step"].item() == 2.0
+        for moment in ("exp_avg", "exp_avg_sq"):
+            mine = states[0][key][moment]
+            assert isinstance(mine, DTensor)
+            assert host.untyped_storage().data_ptr() <= mine.to_local().data_ptr() < host.data_ptr() + host.nbytes
+            # the CPU kernel's vector body and scalar tail round a moment's last bit apart where a chunk cuts in
+            torch.testing.assert_close(mine.full_tensor(), states[1][key][moment].full_tensor(), atol=0, rtol=3e-7)
+
+    swapped = [OffloadedAdamW(models[1].parameters(), chunk_elements=5, **kwargs)]
+    swapped.append(ShardedFusedAdamW(models[0].parameters(), **kwargs))
+    swapped[0].load_state_dict(plain.state_dict())
+    swapped[1].load_state_dict(offloaded.state_dict())
+    step((swapped[1], swapped[0]), 3)
+    for mine, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor(), atol=0, rtol=3e-7)
+    assert swapped[0].state_dict()["state"][0]["step"].item() == 3.0

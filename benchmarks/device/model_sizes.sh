@@ -10,6 +10,11 @@
 #   free   the static decoder's GPU tests, the 0.5B shape without and with rollout.free_memory_while_training=true
 #          (the rollout's weights and KV cache dropped while the update runs), the 3B shape with it
 #   7b_free  the 7B shape with it, recomputation and 4,096-token micro-batches (fits one H200)
+#   offload  the offloaded optimizer's GPU test, then the 3B and 7B shapes with actor.optim.offload=true (AdamW's
+#            moments in host memory) and rollout.free_memory_while_training=true; 7B with recomputation and the
+#            default 16,384-token micro-batches
+#   7b_offload  the 7B shape with both options: recomputation and 4,096-token micro-batches (the smallest
+#            footprint), then no recomputation and 8,192-token micro-batches
 # Results (JSON) go to $OUT, the logs to $OUT/logs_STAGE.tgz. Set-up first (TRL from .whl/), then
 #   bash benchmarks/device/model_sizes.sh STAGE
 set -u
@@ -21,7 +26,7 @@ peer() {  # peer SCALE MICRO TIMEOUT
   SCALE=$1 MICRO=$2 stage "trl_$1" "$3" python3 .carry/trl_grpo_peer.py trl
   mv "$OUT/peer_baseline.json" "$OUT/${date}_h200_trl_grpo_$1.json" 2>/dev/null
 }
-case ${1:?stage: 1.5b, 7b, free or 7b_free} in
+case ${1:?stage: 1.5b, 7b, free, 7b_free, offload or 7b_offload} in
 1.5b)
   stage ketch_1.5b 200 $step --scale 1.5b --out "$OUT/${date}_h200_ketch_grpo_1.5b.json"
   peer 1.5b 16 180
@@ -41,6 +46,19 @@ free)
   stage ketch_7b_free 250 $step --scale 7b --set model.gradient_checkpointing=true \
     rollout.free_memory_while_training=true actor.ppo_max_token_len_per_device=4096 \
     --out "$OUT/${date}_h200_ketch_grpo_7b_free_memory_4096tokens_no_expandable.json" ;;
+offload)
+  stage tests_offload 100 python3 -m pytest tests/gpu/test_optimizer_offload_gpu.py -q -p no:cacheprovider
+  stage ketch_3b_offload 130 $step --scale 3b --set rollout.free_memory_while_training=true actor.optim.offload=true \
+    --out "$OUT/${date}_h200_ketch_grpo_3b_offload.json"
+  stage ketch_7b_offload 320 $step --scale 7b --set model.gradient_checkpointing=true \
+    rollout.free_memory_while_training=true actor.optim.offload=true \
+    --out "$OUT/${date}_h200_ketch_grpo_7b_offload_16384tokens.json" ;;
+7b_offload)
+  both="rollout.free_memory_while_training=true actor.optim.offload=true"
+  stage ketch_7b_offload_4096 220 $step --scale 7b --set $both model.gradient_checkpointing=true \
+    actor.ppo_max_token_len_per_device=4096 --out "$OUT/${date}_h200_ketch_grpo_7b_offload_4096tokens.json"
+  stage ketch_7b_offload_8192_no_recompute 240 $step --scale 7b --set $both actor.ppo_max_token_len_per_device=8192 \
+    --out "$OUT/${date}_h200_ketch_grpo_7b_offload_8192tokens_no_recompute.json" ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

@@ -27,6 +27,12 @@ def megatron_problems(config: KetchConfig) -> list[str]:
     problems = [p for name, m in roles.items() for p in _sizes(name, m)]
     if "actor" in roles and config.rollout.check_weight_sync:
         problems.append("rollout.check_weight_sync reads FSDP parameters; turn it off with actor.strategy=megatron")
+    problems += [
+        f"{name}.optim.offload keeps FSDP's AdamW moments in host memory and is not built for {name}.strategy="
+        "megatron: leave it off, or train with strategy=fsdp"
+        for name, role in _trained(config)
+        if name in roles and role.optim.offload
+    ]
     if roles and config.trainer.device == "cpu":
         problems.append(f"{next(iter(roles))}.strategy=megatron trains on GPUs only, but trainer.device=cpu")
     gpus = config.num_processes(gpu_visible=True)

@@ -130,6 +130,11 @@ class OptimConfig:
     """Linear warm-up length in optimizer steps."""
     min_lr_ratio: float = 0.0
     """Cosine schedule floor as a fraction of lr."""
+    offload: bool = False
+    """Keep AdamW's two moments (8 of the training state's 16 bytes per parameter) in host memory, pinned on GPU
+    machines, and stream them through the device in chunks at each step (verl's optimizer_offload, OpenRLHF's
+    adam_offload): the GPU holds weights and gradients only, at the cost of a copy of the moments each way per
+    optimizer step, overlapped with the step's kernels. strategy=fsdp only."""
 
 
 @dataclass(frozen=True)

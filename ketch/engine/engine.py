@@ -188,10 +188,10 @@ class TrainEngine:
     def _step(self) -> dict[str, float]:
         norm = clip_grad_norm(self.module.parameters(), self.optim_config.grad_clip or math.inf)
         step_unless(self.optimizer, ~torch.isfinite(norm))
+        self.optimizer.zero_grad(set_to_none=True)  # the gradients' memory is free until the next backward pass
         grad_norm, lr = norm.item(), self.scheduler.get_last_lr()[0]
         if not math.isfinite(grad_norm):
             logger.warning("non-finite gradient norm (%s): optimizer step skipped", grad_norm)
-            self.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 1.0}
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "skipped_steps": 0.0}

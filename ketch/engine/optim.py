@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 
@@ -11,6 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from ketch.config.schema import OptimConfig
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 def build_optimizer(params, config: OptimConfig, device: torch.device, shard_group=None) -> torch.optim.Optimizer:
     """AdamW over `params` (fused kernels on the local shards on GPU: `ShardedFusedAdamW`). With `shard_group`
@@ -18,6 +21,8 @@ def build_optimizer(params, config: OptimConfig, device: torch.device, shard_gro
     torch's `ZeroRedundancyOptimizer`): each rank keeps and steps the moments of its share of the parameters,
     then broadcasts its share to the others."""
     kind = ShardedFusedAdamW if device.type == "cuda" else torch.optim.AdamW
+    if config.offload:
+        kind = OffloadedAdamW
     settings = {"lr": config.lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay}
     if shard_group is None:
         return kind(params, **settings)
@@ -69,22 +74,9 @@ class ShardedFusedAdamW(torch.optim.AdamW):
             raise ValueError("ShardedFusedAdamW.step takes no closure")
         found_inf = None if skip is None else skip.float()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for tensors in self._local_groups(group):
                 torch._foreach_add_(tensors[4], 1.0)
-                torch._fused_adamw_(
-                    *tensors[:4],
-                    [],
-                    tensors[4],
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    amsgrad=False,
-                    maximize=False,
-                    found_inf=found_inf,
-                )
+                _fused_adamw(group, tensors, found_inf)
                 if found_inf is not None:
                     torch._foreach_sub_(tensors[4], [found_inf] * len(tensors[4]))
 
@@ -105,6 +97,147 @@ class ShardedFusedAdamW(torch.optim.AdamW):
             for into, tensor in zip(lists[(local.device, local.dtype)], tensors, strict=True):
                 into.append(tensor)
         return list(lists.values())
+
+
+class OffloadedAdamW(ShardedFusedAdamW):
+    """`ShardedFusedAdamW` with the moments in host memory (pinned on a GPU machine). Each dtype's moments lie in
+    one host buffer `[2, elements]` (`exp_avg` in row 0, `exp_avg_sq` in row 1, parameter after parameter). A step
+    copies `chunk_elements` columns at a time into one of two device buffers, steps the slices of the parameters
+    that lie in the chunk, and copies the chunk back. On a GPU the copies run on two streams of their own, so the
+    next chunk comes in and the last goes out while the kernels step this one, and the device holds two chunks
+    of moments (512 MiB of float32 by default) instead of all of them. The state has torch's layout (moments
+    shaped and sharded as their parameters: DTensors over host shards, as FSDP2's own CPU offload makes them), so
+    checkpoints are interchangeable with torch's AdamW and `ShardedFusedAdamW`."""
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float, chunk_elements=1 << 25):
+        super().__init__(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.chunk_elements = chunk_elements
+        columns: dict[torch.dtype, int] = defaultdict(int)
+        self.offsets = {}  # parameter -> (dtype of its host buffer, its first column there)
+        self.layout = defaultdict(list)  # dtype -> (first column, parameter, its group), by column
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.offsets[p] = (p.dtype, columns[p.dtype])
+                self.layout[p.dtype].append((columns[p.dtype], p, group))
+                columns[p.dtype] += _local(p).numel()
+        device = _local(self.param_groups[0]["params"][0]).device
+        cuda = device.type == "cuda"
+        self.host = {dtype: torch.zeros(2, n, dtype=dtype, pin_memory=cuda) for dtype, n in columns.items()}
+        self.work = {
+            dtype: torch.empty(2, 2, min(n, chunk_elements), dtype=dtype, device=device) for dtype, n in columns.items()
+        }
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else None
+        self.events = defaultdict(torch.cuda.Event) if cuda else None  # (copy stream, buffer) -> last copy
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        """`p`'s state, filled in on first use: the step count on the device, the moments views of the host buffer."""
+        state = self.state[p]
+        local = _local(p)
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+        if MOMENTS[0] not in state:
+            dtype, start = self.offsets[p]
+            host = self.host[dtype][:, start : start + local.numel()]
+            for row, key in enumerate(MOMENTS):
+                view = host[row].view(local.shape)
+                state[key] = DTensor(view, p._spec, requires_grad=False) if isinstance(p, DTensor) else view
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None, skip: torch.Tensor | None = None):
+        """One AdamW step, chunk by chunk; `skip` as in `ShardedFusedAdamW.step`."""
+        if closure is not None:
+            raise ValueError("OffloadedAdamW.step takes no closure")
+        found_inf = None if skip is None else skip.float()
+        steps = [self._state_of(p)["step"] for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not steps:
+            return
+        torch._foreach_add_(steps, 1.0)
+        for dtype, host in self.host.items():
+            for i, start in enumerate(range(0, host.shape[1], self.chunk_elements)):
+                end = min(start + self.chunk_elements, host.shape[1])
+                work = self.work[dtype][i % 2][:, : end - start]
+                self._copy(work, host[:, start:end], into_device=True, buffer=i % 2)
+                for group, tensors in self._pieces(dtype, start, end, work):
+                    _fused_adamw(group, tensors, found_inf)
+                self._copy(host[:, start:end], work, into_device=False, buffer=i % 2)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+    def _pieces(self, dtype: torch.dtype, start: int, end: int, work: torch.Tensor) -> list:
+        """(group, local [params, grads, exp_avgs, exp_avg_sqs, steps]) per parameter group, of the parts of the
+        parameters with a gradient in host columns [start, end); the moments are views of `work` `[2, end - start]`."""
+        layout = self.layout[dtype]
+        first_in_chunk = bisect.bisect_right(layout, start, key=lambda entry: entry[0]) - 1
+        lists = {}
+        for first, p, group in layout[first_in_chunk:]:
+            if first >= end:
+                break
+            lo, hi = max(start, first), min(end, first + _local(p).numel())
+            if p.grad is None or lo >= hi:
+                continue
+            part = slice(lo - first, hi - first)
+            tensors = (_local(p).view(-1)[part], _local(p.grad).view(-1)[part], *work[:, lo - start : hi - start])
+            _, into = lists.setdefault(id(group), (group, [[] for _ in range(5)]))
+            for tensor_list, tensor in zip(into, (*tensors, self.state[p]["step"]), strict=True):
+                tensor_list.append(tensor)
+        return list(lists.values())
+
+    def _copy(self, into: torch.Tensor, source: torch.Tensor, into_device: bool, buffer: int) -> None:
+        """Copy a chunk between host and device. On a GPU: on the stream of the direction, after the last copy
+        out of the same device buffer, with the step's stream waiting for the copy in and the copy out for it."""
+        if self.streams is None:
+            into.copy_(source)
+            return
+        stream, compute = self.streams[int(into_device)], torch.cuda.current_stream()
+        stream.wait_event(self.events[(0, buffer)] if into_device else compute.record_event())
+        with torch.cuda.stream(stream):
+            for row in range(2):  # contiguous rows: direct copies from and to the pinned buffer
+                into[row].copy_(source[row], non_blocking=True)
+            self.events[(int(into_device), buffer)].record(stream)
+        if into_device:
+            compute.wait_event(self.events[(1, buffer)])
+
+    def _synchronize(self) -> None:
+        """Wait for the copies out (before the host reads or writes the moments)."""
+        if self.streams is not None:
+            self.streams[0].synchronize()
+
+    def state_dict(self) -> dict:
+        self._synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, with the moments copied into the host buffers instead of onto the parameters' device."""
+        self._synchronize()
+        entries = state_dict["state"]
+        steps = {i: {k: v for k, v in entry.items() if k not in MOMENTS} for i, entry in entries.items()}
+        super().load_state_dict({**state_dict, "state": steps})
+        saved = [key for group in state_dict["param_groups"] for key in group["params"]]  # indices or names
+        params = dict(zip(saved, (p for group in self.param_groups for p in group["params"]), strict=True))
+        for key, entry in entries.items():
+            state = self._state_of(params[key])
+            for key in MOMENTS:
+                _local(state[key]).copy_(_local(entry[key]))
+
+
+def _fused_adamw(group: dict, tensors: list[list[torch.Tensor]], found_inf: torch.Tensor | None) -> None:
+    """torch's fused AdamW kernel with `group`'s settings over [params, grads, exp_avgs, exp_avg_sqs, steps]
+    (the step counts are read, already counted)."""
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(
+        *tensors[:4],
+        [],
+        tensors[4],
+        lr=group["lr"],
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        amsgrad=False,
+        maximize=False,
+        found_inf=found_inf,
+    )
 
 
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
