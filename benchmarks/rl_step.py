@@ -447,6 +447,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "scale": args.scale,
         "devices": devices,
         "overrides": args.set,
+        "memory_cap_gib": args.memory_cap_gib,
         "steps_timed": len(records),
         "sequences_per_step": rows,
         "tokens_per_step": statistics.median(tokens),
@@ -506,9 +507,18 @@ def main() -> None:
     parser.add_argument(
         "--profile-first-step", help="profile the first step's Python with cProfile; write its busiest functions here"
     )
+    parser.add_argument(
+        "--memory-cap-gib",
+        type=float,
+        help="let this process allocate at most this much GPU memory, e.g. 79.6 for an 80 GB GPU's share; the "
+        "one-process (local) run's worker only",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.memory_cap_gib * 2**30 / total)
     start = time.perf_counter()
     result = run(args)
     result["wall_s"] = time.perf_counter() - start

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from ketch.algorithms import policy_loss
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import init_process_group
-from ketch.engine.engine import TrainEngine, compile_blocks
+from ketch.engine.engine import TrainEngine, compile_blocks, transformer_blocks
 from ketch.engine.heads import PolicyModel
 from ketch.engine.log_probs import token_log_probs
 from ketch.engine.micro import split_micro_batches
@@ -80,6 +83,33 @@ def test_gradient_is_the_same_for_one_micro_batch_of_8_and_8_of_1(tiny_model_dir
     assert len(g_whole) == len(g_split) > 0
     for name in g_whole:
         torch.testing.assert_close(g_split[name], g_whole[name], atol=1e-6, rtol=1e-5)
+
+
+def test_a_recomputing_engine_frees_the_blocks_weights_after_the_forward_with_the_same_gradients(tiny_model_dir):
+    """In a world of one process, the blocks keep their gathered weights from the forward to the backward pass;
+    with gradient checkpointing they give them back after the forward and gather them again for the backward."""
+    init_process_group(CPU)
+    engines, blocks, gathered, recorded = {}, {}, {}, {}
+    for recompute in (False, True):
+        policy = PolicyModel(load_causal_lm(str(tiny_model_dir), torch.float32, "eager"))
+        blocks[recompute] = transformer_blocks(policy)  # before sharding: FSDP renames their classes
+        engine = TrainEngine(
+            policy, CPU, OptimConfig(lr=0.0, grad_clip=0.0), total_steps=1, gradient_checkpointing=recompute
+        )
+        engines[recompute], recorded[recompute] = engine, record_grads(engine)
+
+    def loss_fn(out, micro, num_tokens, num_seqs, recompute):
+        params = [p for block in blocks[recompute] for p in block.parameters()]
+        gathered[recompute] = [not isinstance(p, DTensor) for p in params]
+        b = micro.batch
+        return policy_loss(b["old_log_prob"], out["log_prob"], b["advantages"], b["response_mask"])[0], {}
+
+    for recompute, engine in engines.items():
+        engine.train_mini_batch(split_micro_batches(make_batch(vocab=100), 8), partial(loss_fn, recompute=recompute))
+    assert len(gathered[False]) == len(gathered[True]) > 0
+    assert all(gathered[False]) and not any(gathered[True])
+    for name, grad in recorded[False].items():
+        torch.testing.assert_close(recorded[True][name], grad, atol=1e-6, rtol=1e-5)
 
 
 def test_token_budget_micro_batches_keep_order_and_respect_the_budget():

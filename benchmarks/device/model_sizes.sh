@@ -15,6 +15,9 @@
 #            default 16,384-token micro-batches
 #   7b_offload  the 7B shape with both options: recomputation and 4,096-token micro-batches (the smallest
 #            footprint), then no recomputation and 8,192-token micro-batches
+#   capped   with both options, recomputation and 4,096-token micro-batches, the process's GPU memory capped
+#            (rl_step.py --memory-cap-gib) at what an 80 GB GPU leaves beside the CUDA context (78.5 GiB) for
+#            the 7B shape and at a 24 GB GPU's (22.5 GiB) for the 1.5B shape
 # Results (JSON) go to $OUT, the logs to $OUT/logs_STAGE.tgz. Set-up first (TRL from .whl/), then
 #   bash benchmarks/device/model_sizes.sh STAGE
 set -u
@@ -26,7 +29,7 @@ peer() {  # peer SCALE MICRO TIMEOUT
   SCALE=$1 MICRO=$2 stage "trl_$1" "$3" python3 .carry/trl_grpo_peer.py trl
   mv "$OUT/peer_baseline.json" "$OUT/${date}_h200_trl_grpo_$1.json" 2>/dev/null
 }
-case ${1:?stage: 1.5b, 7b, free, 7b_free, offload or 7b_offload} in
+case ${1:?stage: 1.5b, 7b, free, 7b_free, offload, 7b_offload or capped} in
 1.5b)
   stage ketch_1.5b 200 $step --scale 1.5b --out "$OUT/${date}_h200_ketch_grpo_1.5b.json"
   peer 1.5b 16 180
@@ -59,6 +62,13 @@ offload)
     actor.ppo_max_token_len_per_device=4096 --out "$OUT/${date}_h200_ketch_grpo_7b_offload_4096tokens.json"
   stage ketch_7b_offload_8192_no_recompute 240 $step --scale 7b --set $both actor.ppo_max_token_len_per_device=8192 \
     --out "$OUT/${date}_h200_ketch_grpo_7b_offload_8192tokens_no_recompute.json" ;;
+capped)
+  small="rollout.free_memory_while_training=true actor.optim.offload=true model.gradient_checkpointing=true \
+    actor.ppo_max_token_len_per_device=4096"
+  stage ketch_7b_80gb 250 $step --scale 7b --memory-cap-gib 78.5 --set $small \
+    --out "$OUT/${date}_h200_ketch_grpo_7b_capped_78.5gib.json"
+  stage ketch_1.5b_24gb 150 $step --scale 1.5b --memory-cap-gib 22.5 --set $small \
+    --out "$OUT/${date}_h200_ketch_grpo_1.5b_capped_22.5gib.json" ;;
 *) echo "unknown stage $1"; exit 2 ;;
 esac
 tar czf "$OUT/logs_$1.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

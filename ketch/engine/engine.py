@@ -35,14 +35,17 @@ LossFn = Callable[[dict[str, torch.Tensor], DataProto, torch.Tensor, torch.Tenso
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
-def shard(module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> nn.Module:
+def shard(
+    module: nn.Module, device: torch.device, param_dtype: torch.dtype | None = None, save_memory: bool = False
+) -> nn.Module:
     """Move `module` to `device` and apply FSDP2: each transformer block, then the root. In a world of one
-    process the blocks keep their gathered (cast) parameters from the forward to the backward pass: there is
-    nothing to save by freeing them, and gathering them again would cost a copy per block."""
+    process the blocks keep their gathered (cast) parameters from the forward to the backward pass, unless
+    `save_memory` (a model recomputing its activations): freeing them saves a copy of the weights in
+    `param_dtype` (14 GiB at 7B), and casting them again in the backward pass costs a copy per block."""
     module.to(device)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
     kwargs = {"mp_policy": policy} if policy else {}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not save_memory and (not dist.is_initialized() or dist.get_world_size() == 1):
         kwargs["reshard_after_forward"] = False
     for block in transformer_blocks(module):
         fully_shard(block, **kwargs)
@@ -123,7 +126,7 @@ class TrainEngine:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         compiled = compile_blocks(module) if compile else None
         self.device, self.param_dtype = device, param_dtype
-        self.module = shard(module, device, param_dtype)
+        self.module = shard(module, device, param_dtype, save_memory=gradient_checkpointing)
         if compiled is not None:
             compiled.load()  # after sharding: the saved guards name FSDP's class of the blocks
         load_kernels(device)
