@@ -17,7 +17,8 @@ def test_an_update_names_its_token_budget_recomputation_and_the_training_state()
         "update_actor ran out of memory. Smaller forward passes: actor.ppo_max_token_len_per_device=16384 tokens. "
         "rollout.free_memory_while_training=true frees the rollout's weights and KV cache meanwhile. "
         "model.gradient_checkpointing=true keeps only each block's input and recomputes the rest in the backward "
-        "pass. Each trained model holds 16 bytes per parameter (float32 weights and gradients, two AdamW moments) "
+        "pass. actor.optim.offload=true keeps AdamW's moments (8 bytes per parameter) in host memory. Each trained "
+        "model holds 16 bytes per parameter (float32 weights and gradients, two AdamW moments) "
         "shared over its GPUs (trainer.nnodes=1 x trainer.n_gpus_per_node=1), beside the hf rollout's whole copy "
         "of the weights on each GPU: more GPUs, or actor.strategy=megatron with tensor or pipeline parallelism, "
         "make each GPU's share smaller."
@@ -45,6 +46,9 @@ def test_a_forward_pass_names_its_own_micro_batch_key_and_no_recomputation():
         "of a GPU's sequences at once). model.gradient_checkpointing=true"
     )
     assert "larger actor.megatron.tensor_model_parallel_size or pipeline_model_parallel_size" in critic
+    assert "critic.optim.offload=true keeps AdamW's moments" in critic
+    offloaded = load_config(overrides=["actor.optim.offload=true"])
+    assert "optim.offload" not in out_of_memory_advice("update_actor", offloaded)
 
 
 def test_generation_names_the_rows_and_lengths_that_size_the_kv_cache():

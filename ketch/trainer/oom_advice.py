@@ -43,6 +43,10 @@ def out_of_memory_advice(method: str, config: KetchConfig) -> str:
             "model.gradient_checkpointing=true keeps only each block's input and recomputes the rest in the backward "
             "pass."
         )
+    role = "critic" if method == "update_critic" else "actor"
+    trained = getattr(config, role)
+    if method in UPDATES and trained.strategy == "fsdp" and not trained.optim.offload:
+        lines.append(f"{role}.optim.offload=true keeps AdamW's moments (8 bytes per parameter) in host memory.")
     t = config.trainer
     split = (
         "larger actor.megatron.tensor_model_parallel_size or pipeline_model_parallel_size"
