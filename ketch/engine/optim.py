@@ -126,8 +126,8 @@ class OffloadedAdamW(ShardedFusedAdamW):
         self.work = {
             dtype: torch.empty(2, 2, min(n, chunk_elements), dtype=dtype, device=device) for dtype, n in columns.items()
         }
-        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else None
-        self.events = defaultdict(torch.cuda.Event) if cuda else None  # (copy stream, buffer) -> last copy
+        self.streams = {"in": torch.cuda.Stream(device), "out": torch.cuda.Stream(device)} if cuda else None
+        self.events = defaultdict(torch.cuda.Event) if cuda else None  # (direction, buffer) -> its last copy
 
     def _state_of(self, p: torch.Tensor) -> dict:
         """`p`'s state, filled in on first use: the step count on the device, the moments views of the host buffer."""
@@ -184,24 +184,26 @@ class OffloadedAdamW(ShardedFusedAdamW):
         return list(lists.values())
 
     def _copy(self, into: torch.Tensor, source: torch.Tensor, into_device: bool, buffer: int) -> None:
-        """Copy a chunk between host and device. On a GPU: on the stream of the direction, after the last copy
-        out of the same device buffer, with the step's stream waiting for the copy in and the copy out for it."""
+        """Copy a chunk between the host and device buffer `buffer`. On a GPU, on the copy stream of its direction:
+        a copy in waits for the last copy out of the buffer, and the step's stream waits for it; a copy out waits
+        for the step's kernels queued so far."""
         if self.streams is None:
             into.copy_(source)
             return
-        stream, compute = self.streams[int(into_device)], torch.cuda.current_stream()
-        stream.wait_event(self.events[(0, buffer)] if into_device else compute.record_event())
+        direction, compute = "in" if into_device else "out", torch.cuda.current_stream()
+        stream = self.streams[direction]
+        stream.wait_event(self.events[("out", buffer)] if into_device else compute.record_event())
         with torch.cuda.stream(stream):
             for row in range(2):  # contiguous rows: direct copies from and to the pinned buffer
                 into[row].copy_(source[row], non_blocking=True)
-            self.events[(int(into_device), buffer)].record(stream)
+            self.events[(direction, buffer)].record(stream)
         if into_device:
-            compute.wait_event(self.events[(1, buffer)])
+            compute.wait_event(self.events[("in", buffer)])
 
     def _synchronize(self) -> None:
         """Wait for the copies out (before the host reads or writes the moments)."""
         if self.streams is not None:
-            self.streams[0].synchronize()
+            self.streams["out"].synchronize()
 
     def state_dict(self) -> dict:
         self._synchronize()
@@ -217,8 +219,8 @@ class OffloadedAdamW(ShardedFusedAdamW):
         params = dict(zip(saved, (p for group in self.param_groups for p in group["params"]), strict=True))
         for key, entry in entries.items():
             state = self._state_of(params[key])
-            for key in MOMENTS:
-                _local(state[key]).copy_(_local(entry[key]))
+            for moment in MOMENTS:
+                _local(state[moment]).copy_(_local(entry[moment]))
 
 
 def _fused_adamw(group: dict, tensors: list[list[torch.Tensor]], found_inf: torch.Tensor | None) -> None:
