@@ -1,13 +1,21 @@
 """ShardedFusedAdamW: the fused AdamW step on each rank's local shards is torch's AdamW step, and a step skipped
-on the device (a non-finite gradient norm) changes nothing."""
+on the device (a non-finite gradient norm) changes nothing. OffloadedAdamW (moments in host buffers, stepped in
+chunks) steps as it does, and their checkpoints interchange, also through DCP over two ranks."""
 
 from __future__ import annotations
 
+import os
+from functools import partial
+
 import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from spawned import end_rank
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from ketch.engine.distributed import init_process_group
+from ketch.engine.distributed import free_port, init_process_group
 from ketch.engine.engine import shard
 from ketch.engine.optim import OffloadedAdamW, ShardedFusedAdamW, step_unless
 
@@ -115,3 +123,49 @@ def test_offloaded_moments_step_in_chunks_as_sharded_fused_adamw_and_checkpoints
     for mine, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(mine.full_tensor(), theirs.full_tensor(), atol=0, rtol=3e-7)
     assert swapped[0].state_dict()["state"][0]["step"].item() == 3.0
+
+
+def _two_rank_checkpoints(rank: int, world: int, port: int, directory: str) -> None:
+    """Both optimizers step twice on two ranks, each saves its state with DCP, and a fresh optimizer of the other
+    kind loads it: its moments are the saved ones, whole, and a third step gives the same weights."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    init_process_group(CPU)
+    kwargs = {"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.05}
+    kinds = {"offloaded": partial(OffloadedAdamW, chunk_elements=7), "plain": ShardedFusedAdamW}
+    runs = {name: (model := sharded_model(), kind(model.parameters(), **kwargs)) for name, kind in kinds.items()}
+    for name, (model, optimizer) in runs.items():
+        for step in range(2):
+            for i, p in enumerate(model.parameters()):
+                p.grad = torch.full_like(p, 0.5 + step) * (i + 1)
+            optimizer.step()
+        model_state, optim_state = get_state_dict(model, [optimizer])
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{directory}/{name}")
+    for name, other in (("offloaded", "plain"), ("plain", "offloaded")):
+        model = sharded_model()
+        optimizer = kinds[other](model.parameters(), **kwargs)
+        model_state, optim_state = get_state_dict(model, [optimizer])
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=f"{directory}/{name}")
+        set_state_dict(model, [optimizer], model_state_dict=state["model"], optim_state_dict=state["optim"])
+        saved = runs[name][1].state_dict()["state"]
+        for key, entry in optimizer.state_dict()["state"].items():
+            assert entry["step"].item() == 2.0
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert entry[moment].to_local().shape[0] == saved[key][moment].full_tensor().shape[0] // world
+                torch.testing.assert_close(
+                    entry[moment].full_tensor(), saved[key][moment].full_tensor(), atol=0, rtol=0
+                )
+        runs[f"{name} into {other}"] = (model, optimizer)
+    for model, optimizer in runs.values():
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.full_like(p, 2.5) * (i + 1)
+        optimizer.step()
+    weights = [[p.full_tensor() for p in model.parameters()] for model, _ in runs.values()]
+    for other in weights[1:]:
+        for mine, theirs in zip(weights[0], other, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=0, rtol=3e-7)
+    end_rank()
+
+
+def test_offloaded_state_checkpoints_with_dcp_over_two_ranks_and_interchanges(tmp_path):
+    mp.start_processes(_two_rank_checkpoints, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
