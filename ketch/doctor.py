@@ -226,14 +226,19 @@ def _trackers(config: KetchConfig) -> Check:
 
 
 def _config_rows(config: KetchConfig) -> list[Check]:
-    """The model, the data files, the batch sizes and the parallelism of `config` (`ketch/doctor_config.py`)."""
-    from ketch.doctor_config import batch_row, data_row, model_row, parallel_row
+    """The model, the data files, the batch sizes, the parallelism and the GPU memory of `config`
+    (`ketch/doctor_config.py`)."""
+    import torch
+
+    from ketch.doctor_config import batch_row, data_row, memory_row, model_row, parallel_row
 
     model, tokenizer, model_config = model_row(config)
     train, train_set = data_row(config, "train_files", tokenizer)
     val, _ = data_row(config, "val_files", tokenizer)
-    parallel = parallel_row(config, model_config)
-    return [model, train, val, batch_row(config, train_set), *([parallel] if parallel else [])]
+    optional = [parallel_row(config, model_config)]
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    optional.append(memory_row(config, model_config, gpu_bytes))
+    return [model, train, val, batch_row(config, train_set), *(row for row in optional if row)]
 
 
 # ----------------------------------------------------------------- output

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ketch.config import BatchError, KetchConfig, derive_batch_plan
+from ketch.config.memory import gpu_memory_parts
 from ketch.config.parallel import megatron_roles, megatron_start_problems, rollout_start_problems
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
@@ -21,6 +22,9 @@ from ketch.rewards import UnknownDataSourceError
 from ketch.rewards.registry import scorer_for
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+GIB = 2**30
+TIGHT = 0.85
+"""Share of a GPU above which what a run keeps there leaves too little for the activations."""
 
 
 def model_row(config: KetchConfig) -> tuple[Check, Any, Any]:
@@ -130,3 +134,53 @@ def batch_row(config: KetchConfig, train_set: RLHFDataset | None) -> Check:
         f"{a.grad_accum_steps} micro-batch(es) of {a.micro_batch_per_device} per device"
     )
     return Check("batch sizes", "ok", detail)
+
+
+def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) -> Check | None:
+    """What the run keeps on each GPU besides activations, per phase (`ketch/config/memory.py`), against a GPU of
+    `gpu_bytes` (None: none here to compare with); None for a run on CPUs or without a model config."""
+    if model_config is None or not config.uses_gpu(gpu_bytes is not None):
+        return None
+    parameters = parameter_count(model_config, config.model.trust_remote_code)
+    if parameters is None:
+        return Check("GPU memory", "warn", "not estimated: the model's architecture did not build without weights")
+    phases = gpu_memory_parts(config, model_config, parameters, gpu_bytes or 0)
+    listed = [
+        f"{phase} {sum(parts.values()) / GIB:.1f} GiB ("
+        + ", ".join(f"{part} {size / GIB:.1f}" for part, size in parts.items())
+        + ")"
+        for phase, parts in phases.items()
+    ]
+    gpus = config.num_processes(gpu_visible=True)
+    size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
+    detail = f"{size} parameters on {gpus} GPU(s), per GPU before activations: " + "; ".join(listed)
+    if gpu_bytes is None:
+        return Check("GPU memory", "ok", detail + "; no GPU here to compare with")
+    most = max(sum(parts.values()) for parts in phases.values())
+    detail += f"; the GPU has {gpu_bytes / GIB:.1f} GiB"
+    if most <= TIGHT * gpu_bytes:
+        return Check("GPU memory", "ok", detail)
+    return Check("GPU memory", "FAIL" if most > gpu_bytes else "warn", detail, _memory_fix(config))
+
+
+def _memory_fix(config: KetchConfig) -> str:
+    """The settings that shrink what a run keeps on each GPU, those that are off."""
+    roles = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
+    switches = [f"{n}.optim.offload=true" for n, r in roles.items() if r.strategy == "fsdp" and not r.optim.offload]
+    r = config.rollout
+    if r.name == "hf" and r.placement == "hybrid" and not r.free_memory_while_training:
+        switches.append("rollout.free_memory_while_training=true")
+    return " or ".join([*switches, "more GPUs (trainer.n_gpus_per_node, trainer.nnodes)", "Megatron TP/PP"])
+
+
+def parameter_count(model_config: Any, trust_remote_code: bool) -> int | None:
+    """Parameters of the causal LM that `model_config` describes (tied ones once), built on the meta device
+    without weights; None where the architecture does not build that way."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    except (ValueError, TypeError, ImportError, RuntimeError, AttributeError):
+        return None
+    return sum(p.numel() for p in model.parameters())

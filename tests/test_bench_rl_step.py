@@ -31,7 +31,7 @@ def record(step: float, gen: float, update: float, tokens: int, mean_response: f
 
 def test_throughputs_come_from_each_steps_real_tokens_and_mfu_from_every_gpu(rl_step):
     records = [record(4.0, 2.0, 1.0, 1000, 50.0), record(5.0, 3.0, 1.5, 1500, 60.0)]
-    args = Namespace(variant="grpo", workload="variable", scale="small", device="cuda", set=[])
+    args = Namespace(variant="grpo", workload="variable", scale="small", device="cuda", set=[], memory_cap_gib=None)
     config = load_config(overrides=["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
     result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, config=config)
     assert result["tokens_per_step"] == 1250  # median of 1000 and 1500
@@ -48,7 +48,7 @@ def test_throughputs_come_from_each_steps_real_tokens_and_mfu_from_every_gpu(rl_
 
 def test_a_generation_started_ahead_is_outside_the_step_and_mfu_counts_the_actors_gpus_only(rl_step):
     records = [record(4.0, 2.0, 1.0, 1000, 50.0) | {"timing_s/wait_gen": 0.3}]
-    args = Namespace(variant="grpo", workload="fixed", scale="small", device="cuda", set=[])
+    args = Namespace(variant="grpo", workload="fixed", scale="small", device="cuda", set=[], memory_cap_gib=None)
     overrides = ["trainer.device=cuda", "rollout.placement=standalone", "rollout.staleness=1"]
     result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, config=load_config(overrides=overrides))
     assert result["devices"] == 2  # one GPU for the actor, one for the rollout

@@ -123,6 +123,7 @@ def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
     assert rows["data.train_files"].detail == "256 prompts in 1 file(s); data_source: ketch/arithmetic"
     assert rows["data.val_files"].detail == "16 prompts in 1 file(s); data_source: ketch/arithmetic"
     assert rows["batch sizes"].detail.startswith("world size 1: 16 prompts x 2 = 32 sequences per step")
+    assert "GPU memory" not in rows  # a run on the CPU
 
 
 def test_the_parallelism_row_checks_megatron_and_rollout_sizes_against_the_model(tiny_model_dir, task_files):
@@ -131,8 +132,12 @@ def test_the_parallelism_row_checks_megatron_and_rollout_sizes_against_the_model
     heads, MLP width 64)."""
     data = [f"model.path={tiny_model_dir}", f"data.train_files=[{task_files['train']}]", "data.val_files=[]"]
     megatron = ["actor.strategy=megatron", "actor.megatron.tensor_model_parallel_size=3", "trainer.device=cuda"]
-    row = rows_by_name(*data, *megatron, "trainer.n_gpus_per_node=3")["parallelism"]
+    rows = rows_by_name(*data, *megatron, "trainer.n_gpus_per_node=3")
+    row = rows["parallelism"]
     assert row.status == "FAIL" and row.fix == "change the keys named in the detail"
+    assert rows["GPU memory"].status == "ok"  # a tiny model (tests/test_memory_estimate.py has real figures)
+    assert rows["GPU memory"].detail.startswith("0.0M parameters on 3 GPU(s), per GPU before activations: update")
+    assert rows["GPU memory"].detail.endswith("; no GPU here to compare with")
     assert row.detail == "; ".join(
         f"actor.megatron.tensor_model_parallel_size=3 does not divide the model's {what}; pick a divisor of it"
         for what in ("num_attention_heads=4", "num_key_value_heads=2", "vocab_size=100")

@@ -1,4 +1,5 @@
-"""AdamW and the learning-rate schedule (linear warm-up, then constant or cosine)."""
+"""AdamW (fused on local shards; its moments optionally in host memory) and the learning-rate schedule (linear
+warm-up, then constant or cosine)."""
 
 from __future__ import annotations
 

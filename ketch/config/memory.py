@@ -1,0 +1,58 @@
+"""What a run keeps on each of the trainer's GPUs besides activations, by phase: the trained models' state, the
+frozen reference, and the hf rollout's weights and KV cache (or vLLM's share of the GPU). `ketch doctor` compares
+the larger phase with the GPU before a run starts; activations come on top, sized by the micro-batch settings.
+
+The training state is float32 weights (4 bytes per parameter) and AdamW's two moments (8, none on the GPU with
+`optim.offload`), with float32 gradients (4) during the update only: the FSDP engine frees them after each
+optimizer step. FSDP shards it over every trainer GPU, Megatron over its tensor x pipeline group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ketch.config.schema import KetchConfig
+
+PHASES = ("update", "generation")
+
+
+def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes: int) -> dict[str, dict[str, int]]:
+    """Bytes per GPU of each part, by phase, for a policy of `parameters` parameters whose Hugging Face config is
+    `model` (layers, key/value heads, head size for the KV cache), on GPUs of `gpu_bytes` (vLLM's share). The
+    critic counts as the policy's size. Parts a phase does not hold are left out."""
+    parts: dict[str, dict[str, int]] = {phase: {} for phase in PHASES}
+    frozen = 4 if config.model.dtype == "float32" else 2  # bytes per parameter of the reference and rollout
+    gpus = config.num_processes(gpu_visible=True)
+    trained = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
+    for name, role in trained.items():
+        shards = role.megatron.model_parallel_size if role.strategy == "megatron" else gpus
+        kept = 4 + (0 if role.optim.offload else 8)
+        gradients = 4 if role.strategy == "fsdp" else 0  # the Megatron engine keeps them until its next update
+        parts["update"][f"{name} state"] = parameters * (kept + 4) // shards
+        parts["generation"][f"{name} state"] = parameters * (kept + 4 - gradients) // shards
+    if config.use_reference:
+        for phase in PHASES:
+            parts[phase]["reference"] = parameters * frozen // gpus
+    r = config.rollout
+    if r.placement == "standalone":
+        return parts
+    if r.name == "vllm":
+        parts["generation"]["vLLM (rollout.gpu_memory_utilization)"] = int(r.gpu_memory_utilization * gpu_bytes)
+        return parts
+    rollout = {"rollout weights": parameters * frozen // r.tensor_parallel_size, "KV cache": _kv_bytes(config, model)}
+    for phase in PHASES if not r.free_memory_while_training else ("generation",):
+        parts[phase].update(rollout)
+    return parts
+
+
+def _kv_bytes(config: KetchConfig, model: Any) -> int:
+    """The hf rollout's KV cache on one GPU: its tensor-parallel group's share of the step's sequences, each of
+    up to data.max_prompt_length + data.max_response_length tokens, keys and values in every layer."""
+    d, r = config.data, config.rollout
+    groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
+    rows = -(-d.train_batch_size * r.n // groups)
+    heads = getattr(model, "num_key_value_heads", None) or model.num_attention_heads
+    head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
+    per_token = model.num_hidden_layers * 2 * max(1, heads // r.tensor_parallel_size) * head_dim
+    frozen = 4 if config.model.dtype == "float32" else 2
+    return rows * (d.max_prompt_length + d.max_response_length) * per_token * frozen
