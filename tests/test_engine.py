@@ -6,6 +6,7 @@ from functools import partial
 
 import pytest
 import torch
+from recorded_grads import record_grads
 from torch.distributed.tensor import DTensor
 
 from ketch.algorithms import policy_loss
@@ -45,17 +46,6 @@ def engine_for(model_dir) -> TrainEngine:
     init_process_group(CPU)
     lm = load_causal_lm(str(model_dir), torch.float32, "eager")
     return TrainEngine(PolicyModel(lm), CPU, OptimConfig(lr=0.0, grad_clip=0.0), total_steps=1)
-
-
-def record_grads(engine: TrainEngine) -> dict[str, torch.Tensor]:
-    """The gradients of the engine's next optimizer step, recorded before the step (which frees them)."""
-    grads = {}
-
-    def record(*_):
-        grads.update({n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()})
-
-    engine.optimizer.register_step_pre_hook(record)
-    return grads
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

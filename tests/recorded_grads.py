@@ -1,0 +1,18 @@
+"""The gradients of a training engine's next optimizer step, recorded before the step (which frees them)."""
+
+from __future__ import annotations
+
+import torch
+
+from ketch.engine.engine import TrainEngine
+
+
+def record_grads(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """A dict that the engine's next optimizer step fills with each parameter's full gradient, by name."""
+    grads = {}
+
+    def record(*_):
+        grads.update({n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters()})
+
+    engine.optimizer.register_step_pre_hook(record)
+    return grads
