@@ -21,7 +21,7 @@ def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes
     `model` (layers, key/value heads, head size for the KV cache), on GPUs of `gpu_bytes` (vLLM's share). The
     critic counts as the policy's size. Parts a phase does not hold are left out."""
     parts: dict[str, dict[str, int]] = {phase: {} for phase in PHASES}
-    frozen = 4 if config.model.dtype == "float32" else 2  # bytes per parameter of the reference and rollout
+    frozen = _frozen_bytes(config)
     gpus = config.num_processes(gpu_visible=True)
     trained = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
     for name, role in trained.items():
@@ -54,5 +54,9 @@ def _kv_bytes(config: KetchConfig, model: Any) -> int:
     heads = getattr(model, "num_key_value_heads", None) or model.num_attention_heads
     head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
     per_token = model.num_hidden_layers * 2 * max(1, heads // r.tensor_parallel_size) * head_dim
-    frozen = 4 if config.model.dtype == "float32" else 2
-    return rows * (d.max_prompt_length + d.max_response_length) * per_token * frozen
+    return rows * (d.max_prompt_length + d.max_response_length) * per_token * _frozen_bytes(config)
+
+
+def _frozen_bytes(config: KetchConfig) -> int:
+    """Bytes per number of the reference, the rollout and its KV cache: model.dtype (auto: bfloat16 on GPUs)."""
+    return 4 if config.model.dtype == "float32" else 2
