@@ -25,12 +25,11 @@ from packaging.utils import canonicalize_name
 
 from ketch.cache import cache_root
 from ketch.config import BatchError, ConfigError, KetchConfig, load_config
-from ketch.preflight import Check, cache_row, existing_parent, output_dir_row, vllm_row
+from ketch.preflight import GIB, Check, cache_row, existing_parent, output_dir_row, vllm_row
 from ketch.tracking_backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
 MIN_FREE_DISK_GIB = 10
-GIB = 1024**3
 MIB = 1024**2
 
 
@@ -235,9 +234,8 @@ def _config_rows(config: KetchConfig) -> list[Check]:
     model, tokenizer, model_config = model_row(config)
     train, train_set = data_row(config, "train_files", tokenizer)
     val, _ = data_row(config, "val_files", tokenizer)
-    optional = [parallel_row(config, model_config)]
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    optional.append(memory_row(config, model_config, gpu_bytes))
+    optional = (parallel_row(config, model_config), memory_row(config, model_config, gpu_bytes))
     return [model, train, val, batch_row(config, train_set), *(row for row in optional if row)]
 
 

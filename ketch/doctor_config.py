@@ -17,12 +17,11 @@ from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_
 from ketch.data.loader import PromptLoader
 from ketch.models import ModelLoadError, load_model_config, load_tokenizer
 from ketch.models.gguf import cached_gguf_model, is_gguf
-from ketch.preflight import Check
+from ketch.preflight import GIB, Check
 from ketch.rewards import UnknownDataSourceError
 from ketch.rewards.registry import scorer_for
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
-GIB = 2**30
 TIGHT = 0.85
 """Share of a GPU above which what a run keeps there leaves too little for the activations."""
 

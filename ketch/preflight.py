@@ -17,6 +17,9 @@ from ketch.cache import CACHE_FIX, cache_root
 from ketch.config import KetchConfig
 from ketch.rollout import vllm_adapter
 
+GIB = 2**30
+"""Bytes per GiB, for the rows' figures."""
+
 
 @dataclass(frozen=True)
 class Check:
