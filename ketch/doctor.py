@@ -225,17 +225,21 @@ def _trackers(config: KetchConfig) -> Check:
 
 
 def _config_rows(config: KetchConfig) -> list[Check]:
-    """The model, the data files, the batch sizes, the parallelism and the GPU memory of `config`
-    (`ketch/doctor_config.py`)."""
+    """The model, the data files, the batch sizes, the model's code paths, the parallelism and the GPU memory of
+    `config` (`ketch/doctor_config.py`)."""
     import torch
 
-    from ketch.doctor_config import batch_row, data_row, memory_row, model_row, parallel_row
+    from ketch.doctor_config import batch_row, data_row, memory_row, model_row, parallel_row, paths_row
 
     model, tokenizer, model_config = model_row(config)
     train, train_set = data_row(config, "train_files", tokenizer)
     val, _ = data_row(config, "val_files", tokenizer)
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    optional = (parallel_row(config, model_config), memory_row(config, model_config, gpu_bytes))
+    optional = (
+        paths_row(config, model_config, gpu_bytes is not None),
+        parallel_row(config, model_config),
+        memory_row(config, model_config, gpu_bytes),
+    )
     return [model, train, val, batch_row(config, train_set), *(row for row in optional if row)]
 
 

@@ -1,6 +1,7 @@
-"""The config rows of `ketch doctor`: the model loads, the data files read with the columns the run uses, the
-batch sizes work for this machine's world size, and model parallelism (Megatron, a tensor-parallel rollout) fits
-the model and this machine. Built-in paths (`builtin:`) count as fine without building them."""
+"""The config rows of `ketch doctor`: the model loads (a decoder-only causal LM), the data files read with the
+columns the run uses, the batch sizes work for this machine's world size, which code paths the model takes, and
+model parallelism (Megatron, a tensor-parallel rollout) fits the model and this machine. Built-in paths
+(`builtin:`) count as fine without building them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ketch.architecture import causal_lm_problem, packing_problem, static_decoding_problem
 from ketch.config import BatchError, KetchConfig, derive_batch_plan
 from ketch.config.memory import gpu_memory_parts
 from ketch.config.parallel import megatron_roles, megatron_start_problems, rollout_start_problems
@@ -47,10 +49,44 @@ def model_row(config: KetchConfig) -> tuple[Check, Any, Any]:
     if local.is_dir() and not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
         detail = f"{m.path} has a config but no weights ({', '.join(WEIGHT_FILES)})"
         return Check("model", "FAIL", detail, fix), None, None
+    problem = causal_lm_problem(model)
+    if problem:
+        return Check("model", "FAIL", f"{m.path}: {problem}", "ketch trains decoder-only causal LMs"), None, None
     architecture = ", ".join(getattr(model, "architectures", None) or [model.model_type])
     layers, hidden = getattr(model, "num_hidden_layers", "?"), getattr(model, "hidden_size", "?")
     detail = f"{m.path}: {architecture}, {layers} layers, hidden size {hidden}, vocabulary {len(tokenizer)}"
     return Check("model", "ok", detail), tokenizer, model
+
+
+def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Check | None:
+    """Which code paths the run's model takes (`ketch/architecture.py`): packed or padded training forwards, and the
+    hf rollout's static decoder or `generate`; None without a model config or where the model does not build."""
+    model = meta_model(model_config, config.model.trust_remote_code) if model_config is not None else None
+    if model is None:
+        return None
+    gpu = config.uses_gpu(gpu_visible)
+    m, r = config.model, config.rollout
+    packing = m.use_remove_padding if m.use_remove_padding is not None else gpu
+    if config.actor.strategy == "megatron":
+        training = "Megatron-Core (actor.strategy=megatron)"
+    elif not packing:
+        training = "padded (model.use_remove_padding is off" + (" on CPUs)" if m.use_remove_padding is None else ")")
+    else:
+        problem = packing_problem(model)
+        training = f"padded: {problem}" if problem else "packed, padding-free"
+    static = r.hf_decoding == "static" or (r.hf_decoding == "auto" and gpu)
+    if r.name != "hf":
+        rollout = r.name
+    elif not static:
+        rollout = (
+            "generate (rollout.hf_decoding="
+            + r.hf_decoding
+            + (", static on GPUs only)" if r.hf_decoding == "auto" else ")")
+        )
+    else:
+        problem = static_decoding_problem(model)
+        rollout = f"generate: {problem}" if problem else "static decoder"
+    return Check("model paths", "ok", f"{type(model).__name__}: training forwards {training}; rollout: {rollout}")
 
 
 def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
@@ -175,11 +211,17 @@ def _memory_fix(config: KetchConfig) -> str:
 def parameter_count(model_config: Any, trust_remote_code: bool) -> int | None:
     """Parameters of the causal LM that `model_config` describes (tied ones once), built on the meta device
     without weights; None where the architecture does not build that way."""
+    model = meta_model(model_config, trust_remote_code)
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+def meta_model(model_config: Any, trust_remote_code: bool) -> torch.nn.Module | None:
+    """The causal LM that `model_config` describes, built on the meta device without weights; None where the
+    architecture does not build that way."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+            return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
     except (ValueError, TypeError, ImportError, RuntimeError, AttributeError):
         return None
-    return sum(p.numel() for p in model.parameters())

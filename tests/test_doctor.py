@@ -124,6 +124,50 @@ def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
     assert rows["data.val_files"].detail == "16 prompts in 1 file(s); data_source: ketch/arithmetic"
     assert rows["batch sizes"].detail.startswith("world size 1: 16 prompts x 2 = 32 sequences per step")
     assert "GPU memory" not in rows  # a run on the CPU
+    assert rows["model paths"].detail == (
+        "Qwen2ForCausalLM: training forwards padded (model.use_remove_padding is off on CPUs); rollout: generate "
+        "(rollout.hf_decoding=auto, static on GPUs only)"
+    )
+
+
+def test_the_model_paths_row_names_the_path_of_each_kind_of_model_on_gpus(tmp_path):
+    """What a GPU run takes: a Llama packs and decodes statically; a Gemma 2 (soft-capped attention logits) and a
+    StableLM (its attention outside transformers' interface) train padded and decode with `generate`."""
+    from ketch.data import build_char_tokenizer
+    from ketch.models.tiny import save_tiny_family_model
+
+    details = {}
+    for model_type in ("llama", "gemma2", "stablelm"):
+        path = save_tiny_family_model(tmp_path / model_type, model_type, build_char_tokenizer())
+        details[model_type] = rows_by_name(f"model.path={path}", "trainer.device=cuda")["model paths"].detail
+    assert details["llama"] == "LlamaForCausalLM: training forwards packed, padding-free; rollout: static decoder"
+    softcap = "it soft-caps its attention logits (config.attn_logit_softcapping)"
+    assert details["gemma2"] == f"Gemma2ForCausalLM: training forwards padded: {softcap}; rollout: generate: {softcap}"
+    interface = "its attention does not go through transformers' attention interface"
+    assert details["stablelm"] == (
+        f"StableLmForCausalLM: training forwards padded: {interface}; rollout: generate: {interface}"
+    )
+
+
+def test_an_encoder_or_encoder_decoder_model_fails_the_model_row(tmp_path, tiny_model_dir):
+    from transformers import BertConfig, T5Config
+
+    for name, config in (("bert", BertConfig(vocab_size=100)), ("t5", T5Config(vocab_size=100))):
+        config.architectures = [{"bert": "BertModel", "t5": "T5ForConditionalGeneration"}[name]]
+        config.save_pretrained(tmp_path / name)
+        (tmp_path / name / "model.safetensors").write_bytes(b"")
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            (tmp_path / name / file).write_bytes((tiny_model_dir / file).read_bytes())
+    bert, t5 = (rows_by_name(f"model.path={tmp_path / name}")["model"] for name in ("bert", "t5"))
+    assert (bert.status, bert.detail) == (
+        "FAIL",
+        f"{tmp_path / 'bert'}: BertModel is an encoder (bidirectional attention)",
+    )
+    assert (t5.status, t5.detail) == (
+        "FAIL",
+        f"{tmp_path / 't5'}: T5ForConditionalGeneration is an encoder-decoder model",
+    )
+    assert bert.fix == "ketch trains decoder-only causal LMs"
 
 
 def test_the_parallelism_row_checks_megatron_and_rollout_sizes_against_the_model(tiny_model_dir, task_files):

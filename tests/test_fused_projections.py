@@ -19,8 +19,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from ketch.architecture import decoder_blocks
 from ketch.rollout.fused_projections import fuse_projections
-from ketch.rollout.static_decoding import Sampling, StaticDecoder, transformer_blocks
+from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 SIZES = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8
@@ -71,8 +72,8 @@ def test_fusing_twice_or_an_unknown_architecture_changes_nothing():
     """Two groups per known layer, fused once (a second decoder on the same model finds them fused); Gemma's
     attention and MLP are not known classes: left as they are."""
     model = tiny("llama")
-    assert fuse_projections(transformer_blocks(model)) == 4
-    assert fuse_projections(transformer_blocks(model)) == 0
+    assert fuse_projections(decoder_blocks(model)) == 4
+    assert fuse_projections(decoder_blocks(model)) == 0
     gemma = tiny("gemma")
-    assert fuse_projections(transformer_blocks(gemma)) == 0
+    assert fuse_projections(decoder_blocks(gemma)) == 0
     assert type(gemma.model.layers[0].self_attn).__name__ == "GemmaAttention"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ketch.architecture import attention_shape
 from ketch.config.schema import KetchConfig
 
 PHASES = ("update", "generation")
@@ -51,9 +52,8 @@ def _kv_bytes(config: KetchConfig, model: Any) -> int:
     d, r = config.data, config.rollout
     groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
     rows = -(-d.train_batch_size * r.n // groups)
-    heads = getattr(model, "num_key_value_heads", None) or model.num_attention_heads
-    head_dim = getattr(model, "head_dim", None) or model.hidden_size // model.num_attention_heads
-    per_token = model.num_hidden_layers * 2 * max(1, heads // r.tensor_parallel_size) * head_dim
+    shape = attention_shape(model)
+    per_token = model.num_hidden_layers * 2 * max(1, shape.kv_heads // r.tensor_parallel_size) * shape.head_dim
     return rows * (d.max_prompt_length + d.max_response_length) * per_token * _frozen_bytes(config)
 
 

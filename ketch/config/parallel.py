@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+from ketch.architecture import attention_shape, tensor_parallel_problems
 from ketch.config.errors import raise_problems
 from ketch.config.schema import KetchConfig, MegatronConfig
 
@@ -86,22 +87,7 @@ def check_rollout_start(config: KetchConfig, model_config: Any) -> None:
 def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
     """What `check_rollout_start` raises, one line a problem."""
     r = config.rollout
-    return tensor_parallel_fit(r.tensor_parallel_size, model_config) if r.name == "hf" else []
-
-
-def tensor_parallel_fit(size: int, model_config: Any) -> list[str]:
-    """Where `rollout.tensor_parallel_size` does not divide the model's query heads, key/value heads or MLP width."""
-    heads = model_config.num_attention_heads
-    counts = {
-        "num_attention_heads": heads,
-        "num_key_value_heads": getattr(model_config, "num_key_value_heads", None) or heads,
-        "intermediate_size": getattr(model_config, "intermediate_size", None),
-    }
-    return [
-        f"rollout.tensor_parallel_size={size} does not divide the model's {what}={count}; pick a divisor of it"
-        for what, count in counts.items()
-        if count is None or count % size
-    ]
+    return tensor_parallel_problems(r.tensor_parallel_size, model_config) if r.name == "hf" else []
 
 
 def _trained(config: KetchConfig) -> list[tuple[str, Any]]:
@@ -151,15 +137,14 @@ def megatron_start_problems(config: KetchConfig, model_config: Any, gpu_visible:
 
 def _model_fit(name: str, m: MegatronConfig, model_config: Any) -> list[str]:
     tp, pp, vpp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    shape = attention_shape(model_config)
     layers = model_config.num_hidden_layers
     key = f"{name}.megatron"
     problems = [
         f"{key}.tensor_model_parallel_size={tp} does not divide the model's {what}={count}; pick a divisor of it"
         for what, count in (
-            ("num_attention_heads", heads),
-            ("num_key_value_heads", kv_heads),
+            ("num_attention_heads", shape.heads),
+            ("num_key_value_heads", shape.kv_heads),
             ("vocab_size", model_config.vocab_size),
         )
         if count % tp

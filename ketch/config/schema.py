@@ -102,7 +102,7 @@ class ModelConfig:
     """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
     run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding
     costs nothing. None = on GPUs; off on CPUs, where per-sequence attention is slower than padded batches. FSDP
-    engine only; models with sliding-window attention need it off."""
+    engine only; a model that cannot be packed (`ketch doctor` says which path it takes) trains padded."""
     use_liger: bool = False
     """Liger-Kernel's fused RMSNorm and SwiGLU in the training forwards (actor, reference, critic) on CUDA, when
     `liger-kernel` is installed (pip install liger-kernel); otherwise a warning and the plain modules."""
@@ -225,6 +225,9 @@ class ActorConfig:
     """Upper bound of the truncated importance weights of actor.rollout_is."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus in the actor loss."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: weight of the router's load-balancing loss in the actor loss (logged as
+    actor/router_aux_loss); None = the model config's router_aux_loss_coef, 0 = off."""
     use_kl_loss: bool = False
     """Add KL(actor || reference) to the loss (GRPO style) instead of to the reward."""
     kl_loss_coef: float = 0.001
@@ -321,7 +324,8 @@ class RolloutConfig:
     """Sequences per old-log-prob forward on one device; None = all at once."""
     hf_decoding: Literal["auto", "generate", "static"] = "auto"
     """hf backend: transformers' `generate`, or `static` decoding (preallocated KV cache, the decode step compiled
-    into a CUDA graph on GPUs); auto = static on GPU, generate on CPU."""
+    into a CUDA graph on GPUs); auto = static on GPU, generate on CPU. A model the static decoder does not cover
+    decodes with `generate` (`ketch doctor` says which path it takes)."""
     tensor_parallel_size: int = 1
     """Processes (GPUs) one rollout model spans: vLLM's engine size (also written to the export's
     vllm_engine_config.json); hf: the heads and MLP width split over groups of this many consecutive processes,

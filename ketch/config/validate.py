@@ -63,6 +63,7 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "loss_scale_factor": (COUNT, "null uses data.max_response_length"),
         "rollout_is_threshold": POSITIVE,
         "entropy_coeff": (FINITE, "a negative value penalises entropy"),
+        "router_aux_loss_coef": (NON_NEGATIVE, "null uses the model config's router_aux_loss_coef"),
         "kl_loss_coef": NON_NEGATIVE,
     },
     MegatronConfig: {

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ketch.architecture import decoder_blocks
 from ketch.compiled import SavedCompile, saved_compile
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
@@ -54,9 +55,8 @@ def shard(
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks (decoder layers) of the HF model inside `module`, by its `_no_split_modules`."""
-    names = set(getattr(_hf_model(module), "_no_split_modules", None) or [])
-    return [sub for sub in module.modules() if type(sub).__name__ in names]
+    """The transformer blocks (decoder layers) of the HF model inside `module`."""
+    return decoder_blocks(_hf_model(module))
 
 
 def compile_enabled(use_torch_compile: bool | None, device: torch.device) -> bool:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ketch.algorithms.router import load_balancing_loss
+from ketch.architecture import disable_dropout, logit_transform, router
 from ketch.engine.log_probs import token_log_probs
-from ketch.engine.packing import backbone_hidden, to_device, use_packed_attention
+from ketch.engine.packing import backbone_hidden, packs, to_device, use_packed_attention
 
 
 class PolicyModel(nn.Module):
@@ -24,8 +26,10 @@ class PolicyModel(nn.Module):
 
     def __init__(self, lm: nn.Module, packed: bool = False):
         super().__init__()
-        self.lm, self.packed = lm, packed
-        if packed:
+        disable_dropout(lm)
+        self.lm, self.packed = lm, packs(lm, packed)
+        self.transform, self.router = logit_transform(lm.config), router(lm.config)
+        if self.packed:
             use_packed_attention(lm)
 
     def forward(
@@ -40,19 +44,27 @@ class PolicyModel(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]` (prompt then response); returns `log_prob` (and `entropy`) `[batch, response_len]`
         in float32, for logits divided by `temperature` as in sampling; 0 at response padding (attention_mask 0),
-        where the output projection is not computed."""
+        where the output projection is not computed. A mixture of experts also returns, where gradients are taken,
+        its router's load-balancing loss over the real tokens, `router_aux_loss` (a float32 scalar)."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
-        hidden = backbone_hidden(self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed, host)
+        routed = self.router is not None and torch.is_grad_enabled()
+        hidden, router_logits = backbone_hidden(
+            self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed, host, routed
+        )
         valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
         states = hidden[:, -response_len - 1 : -1][valid]
         labels = input_ids[:, -response_len:][valid]
         head = self.lm.get_output_embeddings()
-        log_prob, entropy = token_log_probs(states, labels, head.weight, head.bias, temperature, calc_entropy)
+        log_prob, entropy = token_log_probs(
+            states, labels, head.weight, head.bias, temperature, calc_entropy, transform=self.transform
+        )
         # Fresh tensors, not views: FSDP's backward hook on a root output must not be bypassed by a view.
         zeros = torch.zeros(input_ids.shape[0], response_len, dtype=torch.float32, device=input_ids.device)
         out = {"log_prob": zeros.index_put(valid, log_prob)}
         if calc_entropy:
             out["entropy"] = zeros.index_put(valid, entropy)
+        if routed:
+            out["router_aux_loss"] = load_balancing_loss(router_logits, self.router.top_k)
         return out
 
 
@@ -61,14 +73,15 @@ class ValueModel(nn.Module):
 
     def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
-        self.critic, self.packed = critic, packed
+        disable_dropout(critic)
+        self.critic, self.packed = critic, packs(critic, packed)
         # the head stays reachable only through `critic`: a second reference would duplicate its state-dict keys
         self.head_name = next(
             (n for n in ("score", "classifier") if isinstance(getattr(critic, n, None), nn.Linear)), None
         )
         if self.head_name is None:
             raise TypeError(f"{type(critic).__name__} has no linear `score` or `classifier` head to read values from")
-        if packed:
+        if self.packed:
             use_packed_attention(critic)
 
     def forward(
@@ -80,7 +93,7 @@ class ValueModel(nn.Module):
         host_attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
-        hidden = backbone_hidden(
+        hidden, _ = backbone_hidden(
             self.critic.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
         )
         states = getattr(self.critic, "dropout", nn.Identity())(hidden[:, -response_len - 1 : -1])
@@ -101,8 +114,9 @@ class ScoreModel(nn.Module):
                 f"{type(reward_model).__name__} has no linear `score` head; a reward model must be a "
                 "*ForSequenceClassification model of a decoder architecture (Llama, Qwen2, Mistral, GPT-2, ...)"
             )
-        self.reward_model, self.packed = reward_model, packed
-        if packed:
+        disable_dropout(reward_model)
+        self.reward_model, self.packed = reward_model, packs(reward_model, packed)
+        if self.packed:
             use_packed_attention(reward_model)
 
     def forward(
@@ -115,7 +129,7 @@ class ScoreModel(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `scores` `[batch]` in float32 (`response_len`, given by the engine to
         every head, is not needed)."""
-        hidden = backbone_hidden(
+        hidden, _ = backbone_hidden(
             self.reward_model.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
         )
         positions = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)

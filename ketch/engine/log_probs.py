@@ -21,6 +21,7 @@ from functools import cache
 import torch
 from torch import nn
 
+from ketch.architecture import PLAIN_LOGITS, LogitTransform
 from ketch.compiled import SavedCompile
 
 logger = logging.getLogger("ketch.engine")
@@ -29,10 +30,18 @@ LOGIT_CHUNK = 4096
 """Tokens per chunk: full `[tokens, vocab]` float32 logits never exist at once."""
 
 
-def _statistics(logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, calc_entropy: bool):
-    """`logits` `[n, vocab]` -> log-prob of `labels`, log-sum-exp and entropy (empty without `calc_entropy`),
-    each `[n]` in float32 (or the logits' dtype, if wider)."""
-    z = _wide(logits) * inv_temperature
+def _statistics(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    inv_temperature: float,
+    calc_entropy: bool,
+):
+    """Projections `logits` `[n, vocab]` -> log-prob of `labels`, log-sum-exp and entropy (empty without
+    `calc_entropy`) of the model's logits (`LogitTransform` `scale` and `softcap`) divided by the temperature, each
+    `[n]` in float32 (or the logits' dtype, if wider)."""
+    z = _transformed(logits, scale, softcap)[0] * inv_temperature
     peak = z.amax(-1, keepdim=True)
     shifted = (z - peak).exp()
     total = shifted.sum(-1)
@@ -44,17 +53,40 @@ def _statistics(logits: torch.Tensor, labels: torch.Tensor, inv_temperature: flo
     return log_prob, lse, entropy
 
 
-def _logit_grad(logits, labels, lse, entropy, grad_log_prob, grad_entropy, inv_temperature: float):
+def _logit_grad(
+    logits,
+    labels,
+    lse,
+    entropy,
+    grad_log_prob,
+    grad_entropy,
+    scale: float,
+    softcap: float | None,
+    inv_temperature: float,
+):
     """The gradient `[n, vocab]` (in the logits' dtype) of `sum(grad_log_prob * lp + grad_entropy * H)` with
-    respect to the logits; `grad_entropy` None when the entropy is not differentiated."""
-    z = _wide(logits) * inv_temperature
+    respect to the projections `logits`; `grad_entropy` None when the entropy is not differentiated."""
+    transformed, slope = _transformed(logits, scale, softcap)
+    z = transformed * inv_temperature
     log_p = z - lse.unsqueeze(-1)
     p = log_p.exp()
     onehot = torch.arange(z.shape[-1], device=z.device) == labels.unsqueeze(-1)
     grad = grad_log_prob.unsqueeze(-1) * (onehot.to(p.dtype) - p)
     if grad_entropy is not None:
         grad = grad - grad_entropy.unsqueeze(-1) * p * (log_p + entropy.unsqueeze(-1))
-    return (grad * inv_temperature).to(logits.dtype)
+    return (grad * (slope * inv_temperature)).to(logits.dtype)
+
+
+def _transformed(
+    logits: torch.Tensor, scale: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """The model's logits from the projections `logits` (widened to float32), and their derivative with respect to
+    the projections (a tensor with a soft cap, else the scale)."""
+    scaled = _wide(logits) * scale
+    if softcap is None:
+        return scaled, scale
+    capped = (scaled / softcap).tanh()
+    return capped * softcap, (1 - capped.square()) * scale
 
 
 def _wide(logits: torch.Tensor) -> torch.Tensor:
@@ -85,16 +117,19 @@ def _chunks(tokens: int, chunk: int) -> list[slice]:
 
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, states, labels, weight, bias, temperature, calc_entropy, chunk):
+    def forward(ctx, states, labels, weight, bias, transform, temperature, calc_entropy, chunk):
         statistics, _ = _kernels(states.device.type)
         inv = 1.0 / temperature
+        ctx_transform = (transform.scale, transform.softcap)
         parts = [
-            statistics(nn.functional.linear(states[part], weight, bias), labels[part], inv, calc_entropy)
+            statistics(
+                nn.functional.linear(states[part], weight, bias), labels[part], *ctx_transform, inv, calc_entropy
+            )
             for part in _chunks(states.shape[0], chunk)
         ]
         log_prob, lse, entropy = (torch.cat(p) for p in zip(*parts, strict=True))
         ctx.save_for_backward(states, labels, weight, bias, lse, entropy)
-        ctx.inv, ctx.chunk = inv, chunk
+        ctx.transform, ctx.inv, ctx.chunk = ctx_transform, inv, chunk
         ctx.set_materialize_grads(False)
         return log_prob, entropy
 
@@ -112,14 +147,16 @@ class _TokenLogProbs(torch.autograd.Function):
         for part in _chunks(states.shape[0], ctx.chunk):
             logits = nn.functional.linear(states[part], weight, bias)
             g_ent = None if grad_entropy is None else grad_entropy[part]
-            grad = logit_grad(logits, labels[part], lse[part], entropy[part], grad_log_prob[part], g_ent, ctx.inv)
+            grad = logit_grad(
+                logits, labels[part], lse[part], entropy[part], grad_log_prob[part], g_ent, *ctx.transform, ctx.inv
+            )
             if grad_states is not None:
                 torch.mm(grad, weight, out=grad_states[part])
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T, states[part])
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
-        return grad_states, None, grad_weight, grad_bias, None, None, None
+        return grad_states, None, grad_weight, grad_bias, None, None, None, None
 
 
 def token_log_probs(
@@ -130,12 +167,14 @@ def token_log_probs(
     temperature: float,
     calc_entropy: bool,
     chunk: int = LOGIT_CHUNK,
+    transform: LogitTransform = PLAIN_LOGITS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-prob of `labels` `[tokens]` under `softmax(states @ weight.T + bias) / temperature` from hidden
-    `states` `[tokens, hidden]` and the output projection `weight` `[vocab, hidden]`; and the entropy `[tokens]`
-    when `calc_entropy` (else None). Both float32 (float64 for float64 inputs) and differentiable."""
+    """Log-prob of `labels` `[tokens]` under `softmax(logits / temperature)` from hidden `states` `[tokens, hidden]`
+    and the output projection `weight` `[vocab, hidden]`, the logits being `states @ weight.T + bias` under the
+    model's `transform` (scale, soft cap); and the entropy `[tokens]` when `calc_entropy` (else None). Both float32
+    (float64 for float64 inputs) and differentiable."""
     if states.shape[0] == 0:  # still part of the graph, so that a backward pass through it runs
         empty = states.sum(-1).float()
         return empty, (empty if calc_entropy else None)
-    log_prob, entropy = _TokenLogProbs.apply(states, labels, weight, bias, temperature, calc_entropy, chunk)
+    log_prob, entropy = _TokenLogProbs.apply(states, labels, weight, bias, transform, temperature, calc_entropy, chunk)
     return log_prob, entropy if calc_entropy else None

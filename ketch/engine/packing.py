@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ketch.architecture import packing_problem
+
+logger = logging.getLogger("ketch.engine")
 
 ATTENTION = "ketch_packed"
 """The attention implementation name packed models are switched to."""
@@ -65,6 +70,20 @@ def packing_enabled(use_remove_padding: bool | None, device: torch.device) -> bo
     return device.type == "cuda" if use_remove_padding is None else use_remove_padding
 
 
+def packs(model: nn.Module, requested: bool) -> bool:
+    """Whether `model` (a HF model) runs packed: where it is `requested` and the model can (`packing_problem`).
+    A model that cannot runs on padded batches, said once per model class in an INFO line."""
+    problem = packing_problem(model) if requested else None
+    if problem and type(model).__name__ not in _PADDED:
+        _PADDED.add(type(model).__name__)
+        logger.info("%s trains on padded batches, not packed: %s", type(model).__name__, problem)
+    return requested and problem is None
+
+
+_PADDED: set[str] = set()
+"""The model classes whose fall-back to padded batches has been logged in this process."""
+
+
 def backbone_hidden(
     backbone: nn.Module,
     input_ids: torch.Tensor,
@@ -72,37 +91,42 @@ def backbone_hidden(
     position_ids: torch.Tensor,
     packed: bool,
     host_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+    router_logits: bool = False,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Last hidden states `[batch, seq, hidden]` of a HF base model (`model.model`, `base_model`) on a padded
     batch: directly, or (`packed`) on the packed row of real tokens, with zeros at the padding, the packing
-    found from `host_mask` (the attention mask on the host) where given."""
+    found from `host_mask` (the attention mask on the host) where given. With `router_logits` (a mixture of
+    experts), also each layer's router logits of the real tokens `[tokens, experts]`, else an empty tuple."""
+    host_mask = attention_mask if host_mask is None else host_mask
+    packing = Packing.from_mask(host_mask, input_ids.device) if packed or router_logits else None
+    extra = {"output_router_logits": True} if router_logits else {}
     if not packed:
-        return backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-    packing = Packing.from_mask(attention_mask if host_mask is None else host_mask, input_ids.device)
-    hidden = backbone(
+        out = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+        )
+        routed = tuple(logits[packing.index] for logits in out.router_logits) if router_logits else ()
+        return out.last_hidden_state, routed
+    out = backbone(
         input_ids=packing.pack(input_ids),
         position_ids=packing.pack(position_ids),
-        # a mapping skips the model's mask construction: the packed attention needs none
-        attention_mask={"full_attention": None, "sliding_attention": None},
+        attention_mask=None,  # the packed attention has no mask function: the model builds no mask
         use_cache=False,
         cu_seq_lens_q=packing.cu_seqlens,
         cu_seq_lens_k=packing.cu_seqlens,
         max_length_q=packing.max_len,
         max_length_k=packing.max_len,
-    ).last_hidden_state
-    return packing.unpack(hidden)
+        **extra,
+    )
+    return packing.unpack(out.last_hidden_state), tuple(out.router_logits) if router_logits else ()
 
 
 def use_packed_attention(model: nn.Module) -> None:
-    """Switch a HF model (and its sub-configs) to the packed attention function; padded calls (no sequence
-    offsets) still run SDPA with the model's mask."""
+    """Switch a HF model (and its sub-configs) to the packed attention function. It is registered without a mask
+    function, so that transformers builds no attention mask for it (as for any attention that needs none): every
+    model then takes packed calls alike, whatever masks (causal, sliding) it would build."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION, packed_attention)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)
 
 
@@ -111,53 +135,70 @@ def packed_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: None,
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: `query` `[1, heads, T, head_dim]`, `key`/`value` `[1, kv_heads, T,
-    head_dim]` -> `[1, T, heads, head_dim]`, causal within each sequence of `cu_seq_lens_q`."""
-    if cu_seq_lens_q is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if sliding_window is not None:
+    head_dim]` -> `[1, T, heads, head_dim]`, causal within each sequence of `cu_seq_lens_q` and, in a layer with a
+    `sliding_window`, over that many tokens (the query's own included). Attention logit soft-capping is not
+    supported: `ketch.models.architecture` keeps such models padded."""
+    if cu_seq_lens_q is None or softcap is not None:
         raise ValueError(
-            "padding-free packing does not support sliding-window attention; set model.use_remove_padding=false"
+            f"{ATTENTION} attention on {type(module).__name__}: "
+            + ("no sequence offsets (call it through backbone_hidden)" if softcap is None else "soft-capped logits")
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and VARLEN_PARAMETERS:
-        out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_fits(sliding_window):
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling, sliding_window)
     else:
-        out = _sdpa_per_sequence(q, k, v, cu_seq_lens_q.tolist(), scaling, dropout)
+        out = _sdpa_per_sequence(q, k, v, cu_seq_lens_q.tolist(), scaling, dropout, sliding_window)
     return out.unsqueeze(0), None
 
 
-def _sdpa_per_sequence(q, k, v, offsets: list[int], scaling: float | None, dropout: float) -> torch.Tensor:
+def _sdpa_per_sequence(
+    q, k, v, offsets: list[int], scaling: float | None, dropout: float, sliding_window: int | None
+) -> torch.Tensor:
     """Causal SDPA of each sequence on its own; `[T, heads, head_dim]` in and out."""
     outs = []
     for start, end in itertools.pairwise(offsets):
         if end > start:
             qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, len, head_dim]
             ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], dim=0) for t in (ks, vs))
+            mask = None if sliding_window is None else _window_mask(end - start, sliding_window, q.device)
             out = nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, dropout_p=dropout, is_causal=True, scale=scaling
+                qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling
             )
             outs.append(out.transpose(0, 1))
     return torch.cat(outs)
 
 
-def _flash_varlen(q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling: float | None) -> torch.Tensor:
+def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """`[length, length]` bool: query i sees keys i - window < j <= i."""
+    distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)
+    return (distance >= 0) & (distance < window)
+
+
+def _varlen_fits(sliding_window: int | None) -> bool:
+    """Whether this torch has variable-length attention, and a window argument where the layer needs one."""
+    return bool(VARLEN_PARAMETERS) and (sliding_window is None or "window_size" in VARLEN_PARAMETERS)
+
+
+def _flash_varlen(
+    q, k, v, cu_seqlens: torch.Tensor, max_len: int, scaling: float | None, sliding_window: int | None
+) -> torch.Tensor:
     """Variable-length causal flash attention (torch >= 2.10); `[T, heads, head_dim]` in and out."""
     from torch.nn.attention.varlen import varlen_attn
 
-    kwargs = {"window_size": (-1, 0)} if "window_size" in VARLEN_PARAMETERS else {"is_causal": True}
+    if "window_size" in VARLEN_PARAMETERS:  # (keys before the query, keys after it); -1: no limit
+        kwargs = {"window_size": (-1 if sliding_window is None else sliding_window - 1, 0)}
+    else:
+        kwargs = {"is_causal": True}
     if "scale" in VARLEN_PARAMETERS:
         kwargs["scale"] = scaling
     if "enable_gqa" in VARLEN_PARAMETERS:

@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from ketch.architecture import causal_lm_problem
 from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
 
 logger = logging.getLogger("ketch.models")
@@ -65,6 +66,17 @@ def load_model_config(path: str, trust_remote_code: bool = False, override: dict
         setattr(config, key, value)
     _fix_rope(config)
     return config
+
+
+def check_causal_lm(config, path: str) -> None:
+    """`ModelLoadError` in one line when the model at `path` is not a decoder-only causal LM (an encoder, an
+    encoder-decoder model, or one without a causal-LM class)."""
+    problem = causal_lm_problem(config)
+    if problem:
+        raise ModelLoadError(
+            f"model.path={path}: {problem}; ketch trains decoder-only causal LMs (AutoModelForCausalLM: Llama, "
+            "Qwen, Mistral, Gemma, Phi, OLMo, GPT-2, their mixtures of experts, ...)"
+        )
 
 
 def _fix_rope(config) -> None:

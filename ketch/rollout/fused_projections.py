@@ -18,6 +18,7 @@ from transformers.models.mistral import modeling_mistral as mistral
 from transformers.models.qwen2 import modeling_qwen2 as qwen2
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
+from ketch.architecture import block_attention
 from ketch.rollout.decode_attention import cached_attention
 
 
@@ -105,7 +106,7 @@ def fuse_projections(blocks: list[nn.Module]) -> int:
     of the known classes; returns how many groups were fused."""
     fused = 0
     for block in blocks:
-        attention, mlp = block.self_attn, getattr(block, "mlp", None)
+        attention, mlp = block_attention(block), getattr(block, "mlp", None)
         projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if type(attention) in ATTENTIONS and len({p.bias is None for p in projections}) == 1:
             fused_class, sliding_window = ATTENTIONS[type(attention)]

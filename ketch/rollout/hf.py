@@ -3,6 +3,7 @@ whole or, with `rollout.tensor_parallel_size` > 1, this rank's tensor-parallel s
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from functools import partial
 
@@ -10,12 +11,15 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
+from ketch.architecture import static_decoding_problem
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
+
+logger = logging.getLogger("ketch.rollout")
 
 
 @register_rollout("hf")
@@ -39,6 +43,9 @@ class HFRollout(Rollout):
         static = config.rollout.hf_decoding == "static" or (
             config.rollout.hf_decoding == "auto" and device.type == "cuda"
         )
+        if static and (problem := static_decoding_problem(self.model)):
+            logger.info("%s decodes with generate, not the static decoder: %s", type(self.model).__name__, problem)
+            static = False
         compiled = device.type == "cuda"
         longest = config.data.max_prompt_length
         self.decoder = StaticDecoder(self.model, compiled, longest_prompt=longest) if static else None

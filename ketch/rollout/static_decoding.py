@@ -28,6 +28,7 @@ from functools import cache, partial
 import torch
 from torch import nn
 
+from ketch.architecture import AttentionShape, attention_shape, block_attention, decoder_blocks, static_decoding_problem
 from ketch.compiled import SavedCompile, eager, saved_compile
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.fused_projections import fuse_projections
@@ -51,19 +52,6 @@ def _decode_block(block: nn.Module, *args, **kwargs):
     return type(block).forward(block, *args, **kwargs)
 
 
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM (`model.get_decoder().layers`), each with a `self_attn` that has a
-    `k_proj` and a `head_dim` (what sizes the KV cache)."""
-    blocks = list(getattr(model.get_decoder(), "layers", []))
-    attentions = [getattr(block, "self_attn", None) for block in blocks]
-    if not blocks or not all(hasattr(a, "k_proj") and hasattr(a, "head_dim") for a in attentions):
-        raise ValueError(
-            f"static decoding: {type(model).__name__} has no decoder `layers` whose `self_attn` has a `k_proj` "
-            "and a `head_dim`; use rollout.hf_decoding=generate"
-        )
-    return blocks
-
-
 class DecodeBuffers:
     """The KV cache and the decode step's state for one (rows, length) shape, at fixed addresses (a CUDA graph
     of the step replays on them): `tokens` and `positions` `[rows, 1]` (the next step's input token and its
@@ -73,13 +61,17 @@ class DecodeBuffers:
     token after a row's stop token), `log_probs` `[rows, length]` (float32) and `done` `[rows]`; `seed` `[1]`
     keys the sampling kernel's noise (drawn at `start`, one more per token)."""
 
-    def __init__(self, blocks: list[nn.Module], rows: int, length: int, device: torch.device):
+    def __init__(
+        self, attentions: list[nn.Module], shape: AttentionShape, rows: int, length: int, device: torch.device
+    ):
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.mask4d = self.mask[:, None, None, :]
-        self.kv = [self._kv(block.self_attn, rows, length, device) for block in blocks]
+        dtype = next(attentions[0].parameters()).dtype
+        kv = (rows, shape.kv_heads, length, shape.head_dim)
+        self.kv = [tuple(torch.zeros(kv, dtype=dtype, device=device) for _ in range(2)) for _ in attentions]
         self.responses = torch.zeros(rows, length, dtype=torch.long, device=device)
         self.log_probs = torch.zeros(rows, length, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -87,16 +79,10 @@ class DecodeBuffers:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
-    @staticmethod
-    def _kv(attention: nn.Module, rows: int, length: int, device: torch.device):
-        weight = attention.k_proj.weight
-        shape = (rows, weight.shape[0] // attention.head_dim, length, attention.head_dim)
-        return tuple(torch.zeros(shape, dtype=weight.dtype, device=device) for _ in range(2))
-
-    def use(self, blocks: list[nn.Module]) -> None:
-        """Point each block's attention at its KV cache here."""
-        for block, kv in zip(blocks, self.kv, strict=True):
-            block.self_attn.decode_kv = kv
+    def use(self, attentions: list[nn.Module]) -> None:
+        """Point each block's attention module at its KV cache here."""
+        for attention, kv in zip(attentions, self.kv, strict=True):
+            attention.decode_kv = kv
 
     def start(self, attention_mask: torch.Tensor, positions: torch.Tensor, active_rows: int, pad_token_id: int):
         """Set up for prompts `[rows, prompt_len]` whose last positions are `positions` `[rows, 1]`: the prompt's
@@ -139,8 +125,13 @@ class StaticDecoder:
         self.model = model
         self.buckets = compile_step if buckets is None else buckets
         self.longest_prompt = -(-longest_prompt // PROMPT_BUCKET) * PROMPT_BUCKET if self.buckets else 0
+        problem = static_decoding_problem(model)
+        if problem:
+            raise ValueError(f"static decoding: {type(model).__name__} cannot be decoded here: {problem}")
         use_cached_attention(model)
-        self.blocks = transformer_blocks(model)
+        self.blocks = decoder_blocks(model)
+        self.attentions = [block_attention(block) for block in self.blocks]
+        self.shape = attention_shape(model.config)
         fuse_projections(self.blocks)
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
         self.seen: set[tuple] = set()  # shapes (and shapes with a sampling key) decoded before: logged once
@@ -192,9 +183,9 @@ class StaticDecoder:
                     ", then capturing the whole step in a CUDA graph" if device.type == "cuda" else "",
                     self.compile_cache,
                 )
-            self.caches[key] = DecodeBuffers(self.blocks, batch, length, device)
+            self.caches[key] = DecodeBuffers(self.attentions, self.shape, batch, length, device)
         buffers = self.caches[key]
-        buffers.use(self.blocks)
+        buffers.use(self.attentions)
         weights = [p.data_ptr() for p in self.model.parameters()]
         if weights != self.weights:  # a CUDA graph reads the weights where they were at its capture
             self.weights = weights

@@ -26,8 +26,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from ketch.architecture import attention_shape, intermediate_size, tensor_parallel_problems
 from ketch.config.errors import ConfigError, raise_problems
-from ketch.config.parallel import tensor_parallel_fit
 from ketch.protocol import DataProto
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -103,20 +103,21 @@ def same_random_numbers(seed: int, device: torch.device) -> Iterator[None]:
 
 
 def check_shardable(config, size: int) -> None:
-    """A `ConfigError` naming `rollout.tensor_parallel_size` where `size` does not divide the HF `config`'s heads,
-    key/value heads or intermediate width."""
-    raise_problems(tensor_parallel_fit(size, config))
+    """A `ConfigError` naming `rollout.tensor_parallel_size` where the HF `config`'s family does not split, or `size`
+    does not divide its heads, key/value heads or intermediate width."""
+    raise_problems(tensor_parallel_problems(size, config))
 
 
 def sharded_config(config, size: int):
     """A copy of the HF `config` with `size` times fewer attention heads, key/value heads and intermediate
     channels, and the head size spelled out (it must not be recomputed from the fewer heads)."""
     check_shardable(config, size)
+    shape = attention_shape(config)
     local = copy.deepcopy(config)
-    local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    local.num_attention_heads = config.num_attention_heads // size
-    local.num_key_value_heads = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) // size
-    local.intermediate_size = config.intermediate_size // size
+    local.head_dim = shape.head_dim
+    local.num_attention_heads = shape.heads // size
+    local.num_key_value_heads = shape.kv_heads // size
+    local.intermediate_size = intermediate_size(config) // size
     return local
 
 

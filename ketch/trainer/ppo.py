@@ -32,7 +32,7 @@ from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
-from ketch.models import load_model_config, load_tokenizer
+from ketch.models import check_causal_lm, load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
@@ -59,6 +59,7 @@ class PPOTrainer(TrainingLoop):
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
+        check_causal_lm(model_config, c.model.path)
         check_megatron_start(c, model_config, torch.cuda.is_available())
         check_rollout_start(c, model_config)
         if megatron_roles(c):

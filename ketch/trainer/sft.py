@@ -13,7 +13,7 @@ from ketch.config.parallel import check_megatron_start, check_rollout_start, meg
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
-from ketch.models import load_model_config, load_tokenizer, local_or_hub
+from ketch.models import check_causal_lm, load_model_config, load_tokenizer, local_or_hub
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
@@ -47,6 +47,7 @@ class SFTTrainer:
             )
         self.model_path = model_path or local_or_hub(c.model.path)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)
+        check_causal_lm(model_config, c.model.path)
         check_megatron_start(c, model_config, torch.cuda.is_available())
         check_rollout_start(c, model_config)
         if megatron_roles(c):

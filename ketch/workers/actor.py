@@ -199,6 +199,11 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, **counts)
             loss = loss - a.entropy_coeff * entropy
             metrics["entropy_loss"] = entropy.detach()
+        if "router_aux_loss" in out:
+            coef = a.router_aux_loss_coef
+            coef = self.actor.module.router.aux_loss_coef if coef is None else coef
+            loss = loss + coef * share * out["router_aux_loss"]
+            metrics["router_aux_loss"] = out["router_aux_loss"].detach() * share
         if a.use_kl_loss:
             kl = agg_loss(
                 kl_penalty(out["log_prob"], b["ref_log_prob"], a.kl_loss_type), mask, a.loss_agg_mode, **counts

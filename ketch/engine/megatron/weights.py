@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from ketch.architecture import FAMILIES, attention_shape, family
 from ketch.config.loader import ConfigError
 
 Kind = Literal["column", "row", "gated", "replicated"]
@@ -97,20 +98,19 @@ class ModelShape:
         """Read an HF config (`value_head`: of a `*ForTokenClassification` critic); raises `UnsupportedModelError`
         for what the local Megatron spec cannot express."""
         kind = config.model_type
-        if kind not in ("llama", "qwen2", "qwen3"):
-            raise UnsupportedModelError(
-                f"strategy=megatron maps Llama, Qwen2 and Qwen3 models, not model_type={kind!r}"
-            )
+        if not family(config).megatron:
+            known = ", ".join(name for name, f in FAMILIES.items() if f.megatron)
+            raise UnsupportedModelError(f"strategy=megatron maps model_type {known}, not model_type={kind!r}")
         if kind != "qwen2" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
             raise UnsupportedModelError(
                 f"strategy=megatron: {kind} with attention_bias or mlp_bias (an o_proj or MLP bias) is not mapped"
             )
-        heads = config.num_attention_heads
+        shape = attention_shape(config)
         return cls(
             num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            num_heads=shape.heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
             tied=bool(config.tie_word_embeddings) and not value_head,
             qkv_bias=kind == "qwen2",
             qk_norm=kind == "qwen3",

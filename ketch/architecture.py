@@ -1,0 +1,223 @@
+"""What ketch knows of a model family, in one place: the engine, the rollout, the memory estimate and the config
+checks ask here rather than probing a model's attributes themselves.
+
+Most of it holds for any decoder that transformers builds on its shared attention interface (its modules call
+the registered attention function, and its masks come from `masking_utils`): the decoder blocks are the one
+`ModuleList` of the decoder, each block's attention is its child module whose class ends in `Attention`, and the
+head counts and head size come from the config. `FAMILIES` adds what differs by family and is known only for
+the families it lists (keyed by `config.model_type`): which ones split for the hf rollout's tensor parallelism
+and which ones the Megatron weight adapter maps. Adding a family means one entry there and one row in the
+architecture matrix test (`tests/test_architectures.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Family:
+    """Facts of one model family beyond those every decoder shares."""
+
+    tensor_parallel: bool = False
+    """The hf rollout's tensor-parallel split holds: separate `q_proj`/`k_proj`/`v_proj` and `gate_proj`/`up_proj`
+    split by output rows, `o_proj`/`down_proj` by input columns, no norm over all heads at once."""
+    megatron: bool = False
+    """`engine/megatron/weights.py` maps its weights to Megatron-Core's GPT model."""
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(tensor_parallel=True, megatron=True),
+    "qwen2": Family(tensor_parallel=True, megatron=True),
+    "qwen3": Family(tensor_parallel=True, megatron=True),
+    "mistral": Family(tensor_parallel=True),
+    "gemma": Family(tensor_parallel=True),
+    "gemma3_text": Family(tensor_parallel=True),
+    "granite": Family(tensor_parallel=True),
+    "mixtral": Family(),
+    "qwen2_moe": Family(),
+    "qwen3_moe": Family(),
+    "olmoe": Family(),
+    "gemma2": Family(),
+    "olmo2": Family(),
+    "phi": Family(),
+    "phi3": Family(),
+    "stablelm": Family(),
+    "cohere": Family(),
+    "starcoder2": Family(),
+    "gpt_neox": Family(),
+    "gpt2": Family(),
+}
+"""The families the architecture matrix test runs, each through packing, static decoding and a GRPO run."""
+
+ENCODERS = {
+    "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+    "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod",
+}  # fmt: skip
+"""Encoder families that transformers also gives a causal-LM class, attending causally only with `is_decoder`."""
+
+ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
+"""The `config.layer_types` of layers that attend (others, e.g. linear attention or state-space layers, do not)."""
+
+
+def causal_lm_problem(config: Any) -> str | None:
+    """Why the model of HF `config` is not a decoder-only causal LM that ketch can train, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = ", ".join(getattr(config, "architectures", None) or []) or f"model_type={config.model_type!r}"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{name} is an encoder-decoder model"
+    if config.model_type in ENCODERS and not getattr(config, "is_decoder", False):
+        return f"{name} is an encoder (bidirectional attention)"
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+        return f"{name} has no causal-LM class in transformers (AutoModelForCausalLM)"
+    return None
+
+
+def family(config: Any) -> Family:
+    """The known facts of `config`'s family (an empty `Family` for a family not in `FAMILIES`)."""
+    return FAMILIES.get(config.model_type, Family())
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config: Any) -> AttentionShape:
+    """Query heads, key/value heads and head size of a HF decoder `config` (the key/value heads are the query
+    heads without grouped-query attention; the head size is `hidden_size / heads` where the config has none)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionShape(heads, kv_heads, head_dim)
+
+
+def intermediate_size(config: Any) -> int:
+    """The dense MLP's width: `intermediate_size`, else GPT-2's `n_inner`, else four times the hidden size."""
+    return getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """How a causal LM turns its output projection into logits: `softcap * tanh(scale * x / softcap)`, or
+    `scale * x` without a soft cap."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+
+PLAIN_LOGITS = LogitTransform()
+"""The logits are the output projection."""
+
+
+def logit_transform(config: Any) -> LogitTransform:
+    """Granite divides the logits by `logits_scaling`, Cohere multiplies them by `logit_scale`, Gemma 2 and 3
+    soft-cap them at `final_logit_softcapping`: the training forward's log-probs must see the logits that sampling
+    saw."""
+    scale = 1.0 / (getattr(config, "logits_scaling", None) or 1.0)
+    scale *= getattr(config, "logit_scale", None) or 1.0
+    return LogitTransform(scale, getattr(config, "final_logit_softcapping", None))
+
+
+@dataclass(frozen=True)
+class Router:
+    """A mixture-of-experts model's routing: each token's `top_k` experts, and the weight of the load-balancing
+    loss in the model's own training loss."""
+
+    top_k: int
+    aux_loss_coef: float
+
+
+def router(config: Any) -> Router | None:
+    """The routing of a mixture-of-experts `config` whose model returns its router logits (Mixtral, Qwen2-MoE,
+    Qwen3-MoE, OLMoE: `output_router_logits`), or None."""
+    if not hasattr(config, "output_router_logits") or not getattr(config, "num_experts_per_tok", None):
+        return None
+    return Router(config.num_experts_per_tok, getattr(config, "router_aux_loss_coef", None) or 0.0)
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a HF causal LM, or of its backbone: the decoder's one `ModuleList` (`layers`,
+    GPT-2's `h`); empty where there is none."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    lists = [child for child in decoder.children() if isinstance(child, nn.ModuleList)]
+    return list(lists[0]) if len(lists) == 1 else []
+
+
+def block_attention(block: nn.Module) -> nn.Module | None:
+    """A block's attention module (`self_attn`, GPT-2's `attn`, GPT-NeoX's `attention`): its one child whose
+    class name ends in `Attention`."""
+    found = [child for child in block.children() if type(child).__name__.endswith("Attention")]
+    return found[0] if len(found) == 1 else None
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn off every dropout of `model`: its `nn.Dropout` modules (GPT-2's and Phi's residual, embedding and
+    attention dropout) and the rates that attention modules keep as numbers (`attention_dropout`, passed to the
+    attention function while training). The training forward must compute the distribution the rollout sampled."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def packing_problem(model: nn.Module) -> str | None:
+    """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: its
+    attention must go through transformers' attention interface (which carries the sequence offsets to the
+    packed attention), without soft-capped attention logits (variable-length flash attention has no cap)."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return "its attention does not go through transformers' attention interface"
+    if getattr(model.config, "attn_logit_softcapping", None):
+        return "it soft-caps its attention logits (config.attn_logit_softcapping)"
+    return None
+
+
+def static_decoding_problem(model: nn.Module) -> str | None:
+    """Why the static decoder (`rollout/static_decoding.py`) cannot decode `model`, or None when it can: every
+    block has one attention module that calls transformers' attention interface (which the decoder's KV cache
+    hooks into), every layer attends, and the attention logits are not soft-capped."""
+    blocks = decoder_blocks(model)
+    config = model.config
+    if not blocks or any(block_attention(block) is None for block in blocks):
+        return "its decoder blocks have no single attention module each"
+    if not getattr(model, "_supports_attention_backend", False):
+        return "its attention does not go through transformers' attention interface"
+    if not set(getattr(config, "layer_types", None) or ()) <= ATTENTION_LAYERS:
+        return f"not all of its layers attend (config.layer_types: {sorted(set(config.layer_types))})"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "it soft-caps its attention logits (config.attn_logit_softcapping)"
+    return None
+
+
+def tensor_parallel_problems(size: int, config: Any) -> list[str]:
+    """Where the hf rollout's tensor parallelism of `size` ranks cannot split the model of HF `config`: a family
+    whose split is not known to hold, or head counts and MLP width that `size` does not divide. Nothing to check
+    for `size` 1."""
+    key = "rollout.tensor_parallel_size"
+    if size <= 1:
+        return []
+    if not family(config).tensor_parallel:
+        known = ", ".join(name for name, f in FAMILIES.items() if f.tensor_parallel)
+        return [
+            f"{key}={size}: the tensor-parallel split of model_type={config.model_type!r} is not known (known: "
+            f"{known}); use {key}=1, or more rollout processes with one model each"
+        ]
+    shape = attention_shape(config)
+    sizes = {
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "intermediate_size": intermediate_size(config),
+    }
+    return [
+        f"{key}={size} does not divide the model's {name}={value}; pick a divisor of it"
+        for name, value in sizes.items()
+        if value % size
+    ]

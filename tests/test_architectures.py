@@ -1,0 +1,188 @@
+"""The architecture matrix: a tiny random model of every family in `ketch.architecture.FAMILIES` (2 blocks, 64 wide,
+sliding windows of 8 tokens where the family has them, 4 experts where it has a router) through the GPU's code
+paths on the CPU: packed against padded training forwards, the training head against the model's own logits,
+the static decoder (its blocks compiled) against `generate`, and two GRPO steps with packing and static decoding
+forced on. Families that a path does not cover take the other one, said once in an INFO line."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from greedy import generate_greedy
+
+from ketch.architecture import FAMILIES, router, static_decoding_problem
+from ketch.data import build_char_tokenizer
+from ketch.engine.heads import PolicyModel
+from ketch.models import load_causal_lm
+from ketch.models.tiny import FAMILY_SETTINGS, save_tiny_family_model
+from ketch.trainer.ppo import PPOTrainer
+
+NOT_PACKED = {
+    "gemma2": "it soft-caps its attention logits (config.attn_logit_softcapping)",
+    "stablelm": "its attention does not go through transformers' attention interface",
+}
+"""The families whose training forwards stay padded, and why."""
+NOT_STATIC = NOT_PACKED
+"""The families that decode with `generate`, and why."""
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    """family_dir(model_type): the family's tiny model with the character tokenizer, saved once per module."""
+    saved: dict[str, Path] = {}
+
+    def make(model_type: str) -> Path:
+        if model_type not in saved:
+            path = tmp_path_factory.mktemp(model_type)
+            saved[model_type] = save_tiny_family_model(path, model_type, build_char_tokenizer())
+        return saved[model_type]
+
+    return make
+
+
+def ragged_batch(vocab: int, prompt_len: int = 10, response_len: int = 12):
+    """4 rows: prompts of 10, 4, 1, 7 tokens (left-padded), responses of 12, 3, 9, 1 (right-padded); the longest
+    sequences pass the tiny models' sliding window of 8."""
+    prompt_lens, response_lens = torch.tensor([10, 4, 1, 7]), torch.tensor([12, 3, 9, 1])
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_lens[:, None]).long()
+    response_mask = (torch.arange(response_len) < response_lens[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    input_ids = torch.randint(4, vocab, attention_mask.shape, generator=torch.Generator().manual_seed(1))
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids * attention_mask, attention_mask, position_ids, response_len
+
+
+def test_every_family_has_a_tiny_model():
+    assert FAMILY_SETTINGS.keys() == FAMILIES.keys()
+    assert len(FAMILIES) == 20
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_packed_forwards_give_the_padded_log_probs_entropy_and_gradients(family_dir, model_type, caplog):
+    """In float32 to 1e-5; the log-probs are also those of the model's own logits (Granite's and Cohere's scaled
+    logits, Gemma's soft-capped ones), which sampling sees; a mixture of experts gives the same router loss."""
+    path = family_dir(model_type)
+    heads = {}
+    with caplog.at_level(logging.INFO, logger="ketch.engine"):
+        for packed in (False, True):
+            heads[packed] = PolicyModel(load_causal_lm(str(path), torch.float32), packed)
+    assert heads[True].packed == (model_type not in NOT_PACKED)
+    said = [r.getMessage() for r in caplog.records if "padded batches" in r.getMessage()]
+    reason = NOT_PACKED.get(model_type)
+    assert said == (
+        [f"{type(heads[True].lm).__name__} trains on padded batches, not packed: {reason}"] if reason else []
+    )
+    input_ids, attention_mask, position_ids, response_len = ragged_batch(heads[True].lm.config.vocab_size)
+    mask = attention_mask[:, -response_len:].bool()
+    out, grads = {}, {}
+    for packed, head in heads.items():
+        out[packed] = head(input_ids, attention_mask, position_ids, response_len, calc_entropy=True)
+        loss = (out[packed]["log_prob"] + out[packed]["entropy"]).sum() + out[packed].get("router_aux_loss", 0)
+        loss.backward()
+        grads[packed] = {n: p.grad for n, p in head.named_parameters() if p.grad is not None}
+    for key in ("log_prob", "entropy"):
+        torch.testing.assert_close(out[True][key][mask], out[False][key][mask], atol=1e-5, rtol=0)
+    assert grads[False].keys() == grads[True].keys() and len(grads[False]) > 10
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        logits = heads[False].lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    sampled = logits[:, -response_len - 1 : -1].float().log_softmax(-1)
+    sampled = sampled.gather(-1, input_ids[:, -response_len:, None])[..., 0]
+    torch.testing.assert_close(out[False]["log_prob"][mask], sampled[mask], atol=1e-5, rtol=0)
+    assert out[False]["log_prob"][mask].min() < -1
+    assert ("router_aux_loss" in out[True]) == (model_type in MOE)
+    if model_type in MOE:
+        torch.testing.assert_close(out[True]["router_aux_loss"], out[False]["router_aux_loss"], atol=1e-6, rtol=0)
+        assert out[True]["router_aux_loss"].item() == pytest.approx(2.0, abs=0.1)  # top_k 2: near balanced at init
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_static_decoding_with_compiled_blocks_gives_the_greedy_tokens_of_generate(family_dir, model_type):
+    """Left-padded prompts of 9, 4 and 1 tokens, 12 new tokens (past the sliding window), the decode blocks
+    compiled by dynamo (`aot_eager`: no inductor code to build on a CPU)."""
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model = load_causal_lm(str(family_dir(model_type)), torch.float32).eval()
+    assert static_decoding_problem(model) == NOT_STATIC.get(model_type)
+    if model_type in NOT_STATIC:
+        with pytest.raises(ValueError, match=re.escape(f"cannot be decoded here: {NOT_STATIC[model_type]}")):
+            StaticDecoder(model, compile_step=False)
+        return
+    attention_mask = (torch.arange(9) >= 9 - torch.tensor([9, 4, 1])[:, None]).long()
+    input_ids = torch.randint(4, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(2))
+    input_ids = input_ids * attention_mask
+    expected, expected_log_probs = generate_greedy(model, input_ids, attention_mask, 12, pad_token_id=0)
+    decoder = StaticDecoder(model, compile_step=True, buckets=False, backend="aot_eager")
+    tokens, log_probs = decoder.generate(input_ids, attention_mask, 12, Sampling(do_sample=False), None, 0)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_two_grpo_steps_with_packing_and_static_decoding(tiny_config, family_dir, model_type):
+    """The rollout's log-probs of the sampled tokens are the training forward's (float32), and a mixture of experts
+    logs its router loss."""
+    config = tiny_config(
+        f"model.path={family_dir(model_type)}",
+        "algorithm.adv_estimator=grpo",
+        "rollout.n=2",
+        "data.train_batch_size=4",
+        "model.use_remove_padding=true",
+        "rollout.hf_decoding=static",
+    )
+    trainer = PPOTrainer(config)
+    trainer._open()
+    steps = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
+    policy, rollout = trainer.actor_rollout.worker.actor.module, trainer.actor_rollout.worker.rollout
+    trainer.groups.shutdown()
+    assert policy.packed == (model_type not in NOT_PACKED)
+    assert (rollout.decoder is not None) == (model_type not in NOT_STATIC)
+    for metrics in steps:
+        assert metrics["training/rollout_probs_diff_max"] < 1e-5
+        assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+        assert ("actor/router_aux_loss" in metrics) == (model_type in MOE)
+    if model_type in MOE:  # the model config's weight: OLMoE 0.01, the others 0.001
+        assert router(policy.lm.config).aux_loss_coef == (0.01 if model_type == "olmoe" else 0.001)
+        assert steps[1]["actor/router_aux_loss"] == pytest.approx(2.0, abs=0.1)
+
+
+def test_a_model_no_path_supports_stops_at_start_up_in_one_line(tiny_config, tmp_path):
+    from transformers import T5Config
+
+    from ketch.models import ModelLoadError
+
+    T5Config(vocab_size=100, architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path / "t5")
+    with pytest.raises(ModelLoadError) as failure:
+        PPOTrainer(tiny_config(f"model.path={tmp_path / 't5'}"))
+    assert str(failure.value) == (
+        f"model.path={tmp_path / 't5'}: T5ForConditionalGeneration is an encoder-decoder model; ketch trains "
+        "decoder-only causal LMs (AutoModelForCausalLM: Llama, Qwen, Mistral, Gemma, Phi, OLMo, GPT-2, their "
+        "mixtures of experts, ...)"
+    )
+
+
+def test_tensor_parallel_checks_apply_above_one_rank_and_read_each_familys_fields():
+    """GPT-2 has no `intermediate_size` (its `n_inner` is None: four times the hidden size) and no key/value head
+    count: nothing to check for one rank, and its family's split is not known for two."""
+    from ketch.architecture import intermediate_size, tensor_parallel_problems
+    from ketch.models.tiny import tiny_family_config
+
+    tokenizer = build_char_tokenizer()
+    gpt2, llama = (tiny_family_config(t, tokenizer) for t in ("gpt2", "llama"))
+    assert gpt2.n_inner is None and intermediate_size(gpt2) == 256
+    assert tensor_parallel_problems(1, gpt2) == []
+    assert tensor_parallel_problems(2, gpt2) == [
+        "rollout.tensor_parallel_size=2: the tensor-parallel split of model_type='gpt2' is not known (known: llama, "
+        "qwen2, qwen3, mistral, gemma, gemma3_text, granite); use rollout.tensor_parallel_size=1, or more rollout "
+        "processes with one model each"
+    ]
+    assert tensor_parallel_problems(2, llama) == []
+    assert tensor_parallel_problems(4, llama) == [
+        "rollout.tensor_parallel_size=4 does not divide the model's num_key_value_heads=2; pick a divisor of it"
+    ]
