@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -135,6 +136,16 @@ class Router:
     aux_loss_coef: float
 
 
+def router_outputs(model: nn.Module) -> list[tuple[nn.Module, int]]:
+    """The modules of a mixture of experts whose outputs hold its router logits `[tokens, experts]`, each with the
+    index of the logits in its output (transformers' own record of them, `_can_record_outputs`)."""
+    recorders = [getattr(type(m), "_can_record_outputs", None) or {} for m in model.modules()]
+    spec = next((r["router_logits"] for r in recorders if "router_logits" in r), None)
+    if spec is None:
+        return []
+    return [(m, spec.index) for m in model.modules() if isinstance(m, spec.target_class)]
+
+
 def router(config: Any) -> Router | None:
     """The routing of a mixture-of-experts `config` whose model returns its router logits (Mixtral, Qwen2-MoE,
     Qwen3-MoE, OLMoE: `output_router_logits`), or None."""
@@ -194,6 +205,15 @@ def static_decoding_problem(model: nn.Module) -> str | None:
         return f"not all of its layers attend (config.layer_types: {sorted(set(config.layer_types))})"
     if getattr(config, "attn_logit_softcapping", None):
         return "it soft-caps its attention logits (config.attn_logit_softcapping)"
+    return None
+
+
+def compile_problem(config: Any, dtype: torch.dtype) -> str | None:
+    """Why the training blocks of the model of `config`, computing in `dtype`, cannot be compiled, or None: the
+    experts of a mixture of experts compile in bfloat16 only (transformers' grouped matmul; its fallback has shapes
+    that depend on the routing)."""
+    if router(config) is not None and dtype != torch.bfloat16:
+        return f"its experts compile in bfloat16 only, and it computes in {str(dtype).removeprefix('torch.')}"
     return None
 
 

@@ -16,6 +16,7 @@ from greedy import generate_greedy
 
 from ketch.architecture import FAMILIES, router, static_decoding_problem
 from ketch.data import build_char_tokenizer
+from ketch.engine.engine import compile_blocks, compiles
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
 from ketch.models.tiny import FAMILY_SETTINGS, save_tiny_family_model
@@ -63,43 +64,54 @@ def test_every_family_has_a_tiny_model():
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_packed_forwards_give_the_padded_log_probs_entropy_and_gradients(family_dir, model_type, caplog):
-    """In float32 to 1e-5; the log-probs are also those of the model's own logits (Granite's and Cohere's scaled
-    logits, Gemma's soft-capped ones), which sampling sees; a mixture of experts gives the same router loss."""
+def test_packed_and_compiled_forwards_give_the_padded_log_probs_entropy_and_gradients(family_dir, model_type, caplog):
+    """In float32 to 1e-5, packed as it is and packed with its blocks compiled (dynamo and AOTAutograd; `aot_eager`
+    builds no inductor code on a CPU; not a mixture of experts, whose experts compile in bfloat16 only): log-probs,
+    entropy, gradients and a mixture of experts' router loss. The
+    log-probs are also those of the model's own logits (Granite's and Cohere's scaled logits, Gemma's soft-capped
+    ones), which sampling sees."""
     path = family_dir(model_type)
     heads = {}
     with caplog.at_level(logging.INFO, logger="ketch.engine"):
-        for packed in (False, True):
-            heads[packed] = PolicyModel(load_causal_lm(str(path), torch.float32), packed)
-    assert heads[True].packed == (model_type not in NOT_PACKED)
+        for name, packed in (("padded", False), ("packed", True), ("compiled", True)):
+            heads[name] = PolicyModel(load_causal_lm(str(path), torch.float32), packed)
+    compiled = compiles(heads["compiled"].lm, torch.float32)
+    assert compiled == (model_type not in MOE)  # transformers' experts compile in bfloat16 only (the GPU matrix)
+    if compiled:
+        compile_blocks(heads["compiled"], backend="aot_eager")
+    assert heads["packed"].packed == (model_type not in NOT_PACKED)
     said = [r.getMessage() for r in caplog.records if "padded batches" in r.getMessage()]
     reason = NOT_PACKED.get(model_type)
-    assert said == (
-        [f"{type(heads[True].lm).__name__} trains on padded batches, not packed: {reason}"] if reason else []
-    )
-    input_ids, attention_mask, position_ids, response_len = ragged_batch(heads[True].lm.config.vocab_size)
+    name = type(heads["packed"].lm).__name__
+    assert said == ([f"{name} trains on padded batches, not packed: {reason}"] if reason else [])
+    input_ids, attention_mask, position_ids, response_len = ragged_batch(heads["packed"].lm.config.vocab_size)
     mask = attention_mask[:, -response_len:].bool()
     out, grads = {}, {}
-    for packed, head in heads.items():
-        out[packed] = head(input_ids, attention_mask, position_ids, response_len, calc_entropy=True)
-        loss = (out[packed]["log_prob"] + out[packed]["entropy"]).sum() + out[packed].get("router_aux_loss", 0)
+    for name, head in heads.items():
+        out[name] = head(input_ids, attention_mask, position_ids, response_len, calc_entropy=True)
+        loss = (out[name]["log_prob"] + out[name]["entropy"]).sum() + out[name].get("router_aux_loss", 0)
         loss.backward()
-        grads[packed] = {n: p.grad for n, p in head.named_parameters() if p.grad is not None}
-    for key in ("log_prob", "entropy"):
-        torch.testing.assert_close(out[True][key][mask], out[False][key][mask], atol=1e-5, rtol=0)
-    assert grads[False].keys() == grads[True].keys() and len(grads[False]) > 10
-    for name, grad in grads[False].items():
-        torch.testing.assert_close(grads[True][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+        grads[name] = {n: p.grad for n, p in head.named_parameters() if p.grad is not None}
+    assert len(grads["padded"]) > 10
+    for name in ("packed", "compiled"):
+        for key in ("log_prob", "entropy"):
+            torch.testing.assert_close(out[name][key][mask], out["padded"][key][mask], atol=1e-5, rtol=0)
+        assert grads[name].keys() == grads["padded"].keys()
+        for param, grad in grads["padded"].items():
+            torch.testing.assert_close(grads[name][param], grad, atol=1e-5, rtol=1e-4, msg=f"{name} {param}")
     with torch.no_grad():
-        logits = heads[False].lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    sampled = logits[:, -response_len - 1 : -1].float().log_softmax(-1)
+        logits = heads["padded"].lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    sampled = logits.logits[:, -response_len - 1 : -1].float().log_softmax(-1)
     sampled = sampled.gather(-1, input_ids[:, -response_len:, None])[..., 0]
-    torch.testing.assert_close(out[False]["log_prob"][mask], sampled[mask], atol=1e-5, rtol=0)
-    assert out[False]["log_prob"][mask].min() < -1
-    assert ("router_aux_loss" in out[True]) == (model_type in MOE)
+    torch.testing.assert_close(out["padded"]["log_prob"][mask], sampled[mask], atol=1e-5, rtol=0)
+    assert out["padded"]["log_prob"][mask].min() < -1
+    assert all(("router_aux_loss" in o) == (model_type in MOE) for o in out.values())
     if model_type in MOE:
-        torch.testing.assert_close(out[True]["router_aux_loss"], out[False]["router_aux_loss"], atol=1e-6, rtol=0)
-        assert out[True]["router_aux_loss"].item() == pytest.approx(2.0, abs=0.1)  # top_k 2: near balanced at init
+        for name in ("packed", "compiled"):
+            torch.testing.assert_close(
+                out[name]["router_aux_loss"], out["padded"]["router_aux_loss"], atol=1e-6, rtol=0
+            )
+        assert out["packed"]["router_aux_loss"].item() == pytest.approx(2.0, abs=0.1)  # top_k 2: near balanced at init
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ketch.architecture import decoder_blocks
+from ketch.architecture import compile_problem, decoder_blocks
 from ketch.compiled import SavedCompile, saved_compile
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
@@ -62,6 +62,20 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
 def compile_enabled(use_torch_compile: bool | None, device: torch.device) -> bool:
     """`model.use_torch_compile`, where None means: on CUDA devices only."""
     return device.type == "cuda" if use_torch_compile is None else use_torch_compile
+
+
+def compiles(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the blocks of the HF `model` compile when they compute in `dtype` (`architecture.compile_problem`);
+    those that do not run eagerly, said once per model class in an INFO line."""
+    problem = compile_problem(model.config, dtype)
+    if problem and type(model).__name__ not in _EAGER:
+        _EAGER.add(type(model).__name__)
+        logger.info("%s trains with eager blocks, not compiled ones: %s", type(model).__name__, problem)
+    return problem is None
+
+
+_EAGER: set[str] = set()
+"""The model classes whose eager blocks have been logged in this process."""
 
 
 def _block_forward(block: nn.Module, *args, **kwargs):
@@ -124,7 +138,8 @@ class TrainEngine:
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        compiled = compile_blocks(module) if compile else None
+        dtype = param_dtype or next(module.parameters()).dtype
+        compiled = compile_blocks(module) if compile and compiles(_hf_model(module), dtype) else None
         self.device, self.param_dtype = device, param_dtype
         self.module = shard(module, device, param_dtype, save_memory=gradient_checkpointing)
         if compiled is not None:

@@ -12,13 +12,15 @@ real tokens from it: on the GPU, finding them would wait for all work queued bef
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ketch.algorithms.router import load_balancing_loss
-from ketch.architecture import disable_dropout, logit_transform, router
+from ketch.architecture import disable_dropout, logit_transform, router, router_outputs
 from ketch.engine.log_probs import token_log_probs
-from ketch.engine.packing import backbone_hidden, packs, to_device, use_packed_attention
+from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 
 
 class PolicyModel(nn.Module):
@@ -28,7 +30,11 @@ class PolicyModel(nn.Module):
         super().__init__()
         disable_dropout(lm)
         self.lm, self.packed = lm, packs(lm, packed)
-        self.transform, self.router = logit_transform(lm.config), router(lm.config)
+        self.transform, self.router_logits = logit_transform(lm.config), []
+        routers = router_outputs(lm)
+        self.router = router(lm.config) if routers else None
+        for module, index in routers:  # hooks, traced into compiled blocks (transformers' own capture is not)
+            module.register_forward_hook(partial(_record, self.router_logits, index))
         if self.packed:
             use_packed_attention(lm)
 
@@ -47,10 +53,8 @@ class PolicyModel(nn.Module):
         where the output projection is not computed. A mixture of experts also returns, where gradients are taken,
         its router's load-balancing loss over the real tokens, `router_aux_loss` (a float32 scalar)."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
-        routed = self.router is not None and torch.is_grad_enabled()
-        hidden, router_logits = backbone_hidden(
-            self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed, host, routed
-        )
+        self.router_logits.clear()
+        hidden = backbone_hidden(self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed, host)
         valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
         states = hidden[:, -response_len - 1 : -1][valid]
         labels = input_ids[:, -response_len:][valid]
@@ -63,9 +67,24 @@ class PolicyModel(nn.Module):
         out = {"log_prob": zeros.index_put(valid, log_prob)}
         if calc_entropy:
             out["entropy"] = zeros.index_put(valid, entropy)
-        if routed:
-            out["router_aux_loss"] = load_balancing_loss(router_logits, self.router.top_k)
+        if self.router is not None and torch.is_grad_enabled():
+            out["router_aux_loss"] = self._router_aux_loss(host, input_ids.device)
+        self.router_logits.clear()
         return out
+
+    def _router_aux_loss(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The router's load-balancing loss over the real tokens of the forward just run."""
+        logits = tuple(self.router_logits)
+        if not self.packed:  # padded: the logits of every position, padding included
+            index = Packing.from_mask(host, device).index
+            logits = tuple(layer[index] for layer in logits)
+        return load_balancing_loss(logits, self.router.top_k)
+
+
+def _record(records: list[torch.Tensor], index: int, _module, _inputs, output) -> None:
+    """A forward hook: append a router's logits `[tokens, experts]` (its output, or item `index` of it) to
+    `records`."""
+    records.append(output[index] if isinstance(output, tuple) else output)
 
 
 class ValueModel(nn.Module):
@@ -93,7 +112,7 @@ class ValueModel(nn.Module):
         host_attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
-        hidden, _ = backbone_hidden(
+        hidden = backbone_hidden(
             self.critic.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
         )
         states = getattr(self.critic, "dropout", nn.Identity())(hidden[:, -response_len - 1 : -1])
@@ -129,7 +148,7 @@ class ScoreModel(nn.Module):
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `scores` `[batch]` in float32 (`response_len`, given by the engine to
         every head, is not needed)."""
-        hidden, _ = backbone_hidden(
+        hidden = backbone_hidden(
             self.reward_model.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
         )
         positions = torch.arange(1, attention_mask.shape[-1] + 1, device=attention_mask.device)

@@ -4,14 +4,14 @@ A left-padded prompt + right-padded response batch `[batch, seq]` becomes one ro
 each sequence's own position ids; the backbone runs on that row and its hidden states go back to the padded
 layout, so the heads (log-probs, values, scores) do not change. Attention stays inside each sequence: the
 packed attention function registered with transformers as `ketch_packed` runs variable-length flash
-attention on CUDA (`torch.nn.attention.varlen`) and, elsewhere, causal SDPA sequence by sequence. Padding
-then costs nothing in the backbone, whatever the length spread.
+attention on CUDA in bf16/fp16 (`torch.nn.attention.varlen`) and, elsewhere (the CPU, float32), SDPA over the
+row under a mask that is causal within each sequence. Padding then costs nothing in the backbone, whatever the
+length spread.
 """
 
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -91,22 +91,16 @@ def backbone_hidden(
     position_ids: torch.Tensor,
     packed: bool,
     host_mask: torch.Tensor | None = None,
-    router_logits: bool = False,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+) -> torch.Tensor:
     """Last hidden states `[batch, seq, hidden]` of a HF base model (`model.model`, `base_model`) on a padded
     batch: directly, or (`packed`) on the packed row of real tokens, with zeros at the padding, the packing
-    found from `host_mask` (the attention mask on the host) where given. With `router_logits` (a mixture of
-    experts), also each layer's router logits of the real tokens `[tokens, experts]`, else an empty tuple."""
-    host_mask = attention_mask if host_mask is None else host_mask
-    packing = Packing.from_mask(host_mask, input_ids.device) if packed or router_logits else None
-    extra = {"output_router_logits": True} if router_logits else {}
+    found from `host_mask` (the attention mask on the host) where given."""
     if not packed:
-        out = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
-        )
-        routed = tuple(logits[packing.index] for logits in out.router_logits) if router_logits else ()
-        return out.last_hidden_state, routed
-    out = backbone(
+        return backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+    packing = Packing.from_mask(attention_mask if host_mask is None else host_mask, input_ids.device)
+    hidden = backbone(
         input_ids=packing.pack(input_ids),
         position_ids=packing.pack(position_ids),
         attention_mask=None,  # the packed attention has no mask function: the model builds no mask
@@ -115,9 +109,8 @@ def backbone_hidden(
         cu_seq_lens_k=packing.cu_seqlens,
         max_length_q=packing.max_len,
         max_length_k=packing.max_len,
-        **extra,
-    )
-    return packing.unpack(out.last_hidden_state), tuple(out.router_logits) if router_logits else ()
+    ).last_hidden_state
+    return packing.unpack(hidden)
 
 
 def use_packed_attention(model: nn.Module) -> None:
@@ -157,31 +150,26 @@ def packed_attention(
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_fits(sliding_window):
         out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling, sliding_window)
     else:
-        out = _sdpa_per_sequence(q, k, v, cu_seq_lens_q.tolist(), scaling, dropout, sliding_window)
+        out = _sdpa_masked(q, k, v, cu_seq_lens_q, scaling, dropout, sliding_window)
     return out.unsqueeze(0), None
 
 
-def _sdpa_per_sequence(
-    q, k, v, offsets: list[int], scaling: float | None, dropout: float, sliding_window: int | None
+def _sdpa_masked(
+    q, k, v, cu_seqlens: torch.Tensor, scaling: float | None, dropout: float, sliding_window: int | None
 ) -> torch.Tensor:
-    """Causal SDPA of each sequence on its own; `[T, heads, head_dim]` in and out."""
-    outs = []
-    for start, end in itertools.pairwise(offsets):
-        if end > start:
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, len, head_dim]
-            ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], dim=0) for t in (ks, vs))
-            mask = None if sliding_window is None else _window_mask(end - start, sliding_window, q.device)
-            out = nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling
-            )
-            outs.append(out.transpose(0, 1))
-    return torch.cat(outs)
-
-
-def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
-    """`[length, length]` bool: query i sees keys i - window < j <= i."""
-    distance = torch.arange(length, device=device)[:, None] - torch.arange(length, device=device)
-    return (distance >= 0) & (distance < window)
+    """SDPA over the whole packed row under a mask that keeps each token within its own sequence, causal (and in
+    its window): `[T, heads, head_dim]` in and out. Its `[T, T]` mask costs memory the variable-length kernel does
+    not, but it has no shapes that depend on the data, so compiled blocks trace it."""
+    positions = torch.arange(q.shape[0], device=q.device)
+    sequence = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)  # [T]: each token's sequence
+    distance = positions[:, None] - positions[None, :]
+    mask = (sequence[:, None] == sequence[None, :]) & (distance >= 0)
+    if sliding_window is not None:
+        mask &= distance < sliding_window
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
+    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+    out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.transpose(0, 1)
 
 
 def _varlen_fits(sliding_window: int | None) -> bool:
@@ -211,7 +199,7 @@ def _flash_varlen(
 def _varlen_parameters() -> frozenset[str]:
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10: no variable-length attention, packed forwards take SDPA per sequence
+    except ImportError:  # torch < 2.10: no variable-length attention, packed forwards take masked SDPA
         return frozenset()
     return frozenset(inspect.signature(varlen_attn).parameters)
 
