@@ -17,7 +17,7 @@ CUDA = torch.device("cuda")
 
 def test_smollm2_packs_and_trains_two_grpo_steps_with_the_defaults(smollm2_dir, tmp_path):
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([40, 7, 25, 60])
+    lengths = torch.tensor([40, 17, 25, 60])
     attention_mask = (torch.arange(64) >= 64 - lengths[:, None]).long()  # left-padded, the last 16 the response
     input_ids = torch.randint(100, 40000, attention_mask.shape, generator=g) * attention_mask
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
