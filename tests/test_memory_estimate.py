@@ -1,5 +1,5 @@
 """What a run keeps on each GPU besides activations (`ketch/config/memory.py`) and `ketch doctor`'s row that
-compares it with the GPU: the figures of the 7B runs on one H200 (benchmarks/README.md), a critic, a
+compares it with the GPU: the figures of the 7B runs on one H200 (docs/benchmarks.md), a critic, a
 reference, Megatron and vLLM."""
 
 from __future__ import annotations

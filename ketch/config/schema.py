@@ -555,14 +555,23 @@ class TrainerConfig:
 @dataclass(frozen=True)
 class KetchConfig:
     data: DataConfig = field(default_factory=DataConfig)
+    """The prompts: files, columns, lengths, batch size, chat template."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model: where it loads from, its dtype, and how its training forwards run."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy's training: engine, optimizer, mini- and micro-batches, clipping, policy loss, KL loss."""
     critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of PPO with a critic (algorithm.adv_estimator=gae)."""
     ref: RefConfig = field(default_factory=RefConfig)
+    """The frozen reference policy, loaded when a KL term needs it."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation: backend, sampling, placement, validation sampling and multi-turn tool use."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring: a reward function, scorer arguments, a reward model, and how their scores mix."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The advantage estimator, the KL penalty in the reward, and DAPO's dynamic sampling."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The run: steps, validation, checkpoints, resume, retries, trackers, devices and processes."""
 
     @property
     def use_critic(self) -> bool:
