@@ -79,6 +79,17 @@ def causal_lm_problem(config: Any) -> str | None:
     return None
 
 
+def value_head_problem(config: Any) -> str | None:
+    """Why a critic (the backbone with a scalar value head: `*ForTokenClassification`) cannot be built for the model
+    of HF `config`, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    remote = "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES and not remote:
+        return f"transformers has no token-classification class for model_type={config.model_type!r}"
+    return None
+
+
 def family(config: Any) -> Family:
     """The known facts of `config`'s family (an empty `Family` for a family not in `FAMILIES`)."""
     return FAMILIES.get(config.model_type, Family())

@@ -198,3 +198,19 @@ def test_tensor_parallel_checks_apply_above_one_rank_and_read_each_familys_field
     assert tensor_parallel_problems(4, llama) == [
         "rollout.tensor_parallel_size=4 does not divide the model's num_key_value_heads=2; pick a divisor of it"
     ]
+
+
+def test_ppo_with_a_critic_on_a_model_without_a_value_head_class_stops_at_start_up(tiny_config, family_dir):
+    """OLMo 2 has no `*ForTokenClassification` in transformers: PPO's critic cannot be built on it; GRPO runs."""
+    from ketch.models import ModelLoadError
+
+    path = family_dir("olmo2")
+    with pytest.raises(ModelLoadError) as failure:
+        PPOTrainer(tiny_config(f"model.path={path}", "algorithm.adv_estimator=gae"))
+    assert str(failure.value) == (
+        f"model.path={path}: a critic needs the backbone with a scalar value head (AutoModelForTokenClassification), "
+        "and transformers has no token-classification class for model_type='olmo2'; use a critic-free estimator "
+        "(algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, remax), or critic.model_path of an architecture "
+        "that has one"
+    )
+    PPOTrainer(tiny_config(f"model.path={path}", "algorithm.adv_estimator=grpo"))  # starts

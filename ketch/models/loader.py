@@ -23,7 +23,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ketch.architecture import causal_lm_problem
+from ketch.architecture import causal_lm_problem, value_head_problem
 from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
 
 logger = logging.getLogger("ketch.models")
@@ -76,6 +76,17 @@ def check_causal_lm(config, path: str) -> None:
         raise ModelLoadError(
             f"model.path={path}: {problem}; ketch trains decoder-only causal LMs (AutoModelForCausalLM: Llama, "
             "Qwen, Mistral, Gemma, Phi, OLMo, GPT-2, their mixtures of experts, ...)"
+        )
+
+
+def check_value_head(config, key: str) -> None:
+    """`ModelLoadError` in one line when no critic can be built on the model of `config` (at `key`)."""
+    problem = value_head_problem(config)
+    if problem:
+        raise ModelLoadError(
+            f"{key}: a critic needs the backbone with a scalar value head (AutoModelForTokenClassification), and "
+            f"{problem}; use a critic-free estimator (algorithm.adv_estimator=grpo, rloo, reinforce_plus_plus, "
+            "remax), or critic.model_path of an architecture that has one"
         )
 
 

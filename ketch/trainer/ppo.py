@@ -32,7 +32,7 @@ from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
-from ketch.models import check_causal_lm, load_model_config, load_tokenizer
+from ketch.models import check_causal_lm, check_value_head, load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
@@ -60,6 +60,10 @@ class PPOTrainer(TrainingLoop):
         self.model_path = resolve_model_path(c)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
         check_causal_lm(model_config, c.model.path)
+        if c.use_critic:  # a backbone without a value-head class fails here, not in the critic's worker
+            key = "critic.model_path" if c.critic.model_path else "model.path"
+            path = c.critic.model_path or self.model_path
+            check_value_head(load_model_config(path, c.model.trust_remote_code), f"{key}={path}")
         check_megatron_start(c, model_config, torch.cuda.is_available())
         check_rollout_start(c, model_config)
         if megatron_roles(c):
