@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             from ketch.trainer.builtin import resolve_model_path
             from ketch.trainer.sft import SFTTrainer
 
-            SFTTrainer(config, resolve_model_path(config)).fit()
+            SFTTrainer(config, resolve_model_path).fit()
         elif args.command == "rm":
             from ketch.trainer.rm import RMTrainer
 

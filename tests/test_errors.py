@@ -7,20 +7,17 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import re
 import resource
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import fsspec
 import pyarrow.parquet as pq
 import pytest
+from commands import cli_error, run_cli
 
-from ketch.cli import main
 from ketch.config import ConfigError, DataConfig, KetchConfig, load_config, to_yaml
 from ketch.config.validate import RANGES
 from ketch.controller.errors import WorkerError
@@ -32,8 +29,6 @@ from ketch.trainer.checkpoint import CheckpointManager
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.ppo import PPOTrainer
 from ketch.workers import ActorRolloutRefWorker
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def failure_events(run_dir) -> list[dict]:
@@ -66,25 +61,6 @@ def test_a_worker_failure_carries_its_cause_everywhere_and_leaves_no_step_0_chec
     assert "ValueError: prompt 3 has no tokens" in (trainer.run_dir / "report.html").read_text()
     # the untrained model is not saved as step 0, so the next plain run starts fresh instead of resuming from it
     assert trainer.checkpoints.complete() == []
-
-
-def run_cli(*args: str, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
-    """`python -m ketch *args` in a fresh process; `file_size_limit` caps every file it writes (RLIMIT_FSIZE, with
-    SIGXFSZ ignored so that a write past it fails with EFBIG, as a full disk fails with ENOSPC)."""
-
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, resource.RLIM_INFINITY))
-
-    rendezvous = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by this process's runs
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous} | {
-        "PYTHONPATH": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [sys.executable, "-m", "ketch", *args]
-    return subprocess.run(
-        command, capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit if file_size_limit else None
-    )
 
 
 @pytest.mark.slow
@@ -205,15 +181,6 @@ def test_reward_errors_in_validation_are_counted_with_on_error_zero(tiny_config,
         (0, 16.0, None),  # the 16 validation prompts
         (1, None, 8.0),  # the 8 prompts of a training batch
     ]
-
-
-def cli_error(capsys, *args: str) -> str:
-    """Run `ketch *args` in this process: it must exit 2 (a user error) with no traceback through ketch's own
-    code (a user's reward function shows its own); returns the message."""
-    assert main(list(args)) == 2
-    err = capsys.readouterr().err
-    assert f'File "{ROOT / "ketch"}' not in err
-    return err.split(f"ketch {args[0]}: error: ", 1)[1]
 
 
 def test_an_unwritable_output_dir_stops_the_run_before_any_model_loads(capsys, tmp_path, task_files):

@@ -3,6 +3,7 @@ built-in tiny model."""
 
 from ketch.models.loader import (
     ModelLoadError,
+    check_tokenizer_fits,
     load_causal_lm,
     load_critic,
     load_model_config,
@@ -24,6 +25,7 @@ from ketch.models.tiny import build_tiny_model, save_tiny_model, tiny_qwen2_conf
 __all__ = [
     "ModelLoadError",
     "build_tiny_model",
+    "check_tokenizer_fits",
     "ensure_eos_token",
     "ensure_pad_token",
     "generation_token_ids",
