@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ketch.cache import cache_dir
 from ketch.config import KetchConfig, load_config
@@ -212,18 +213,18 @@ def _warmup_dir(parent: Path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _raise_on_sigterm() -> signal.Handlers | None:
+def _raise_on_sigterm() -> Any:
     """Make SIGTERM raise `_Terminated`; returns the handler it replaces, or None when it cannot (outside the main
-    thread) or should not (SIGTERM is ignored)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+    thread, or a handler that was not set from Python and could not be put back) or should not (SIGTERM ignored)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous in (None, signal.SIG_IGN):
         return None
 
     def raise_terminated(signum, frame) -> None:
         raise _Terminated
 
-    return signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
+    return previous
 
 
 def _remove_stale(parent: Path) -> None:
