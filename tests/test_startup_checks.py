@@ -126,10 +126,15 @@ def test_a_terminated_warm_up_leaves_nothing_and_a_warm_up_sweeps_what_killed_on
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
-        while not list(models.glob(f".warmup-{host}-{run.pid}-*/warmup/metrics.jsonl")):  # its SFT is running
-            assert run.poll() is None, (tmp_path / "stderr").read_text()
-            time.sleep(0.1)
-        assert not stale.exists()
-        run.send_signal(signal.SIGTERM)
-        assert run.wait(timeout=120) == -signal.SIGTERM
+        try:
+            deadline = time.monotonic() + 300
+            while not list(models.glob(".warmup-*/warmup/metrics.jsonl")):  # its SFT is running
+                assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()
+                time.sleep(0.1)
+            assert not stale.exists()
+            run.send_signal(signal.SIGTERM)
+            assert run.wait(timeout=120) == -signal.SIGTERM
+        finally:
+            run.kill()  # when an assertion stopped the test before the process ended
+            run.wait()
     assert sorted(models.iterdir()) == sorted(kept)
