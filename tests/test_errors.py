@@ -1,5 +1,7 @@
 """Errors a user can act on: each failure says what, where and what to do, and a failed run stays readable
-(docs/errors.md lists them). One test per pattern; every test fails on the code before issue 13."""
+(docs/errors.md lists them). One test per pattern; every test fails on the code before issue 13, those of the model
+export, torch's short write, the validation before training and reward.on_error=zero in validation on the code before
+issue 40."""
 
 from __future__ import annotations
 
