@@ -17,6 +17,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.algorithms import NonFiniteError
     from ketch.controller.errors import WorkerError
     from ketch.data import DatasetError
+    from ketch.engine.export import ExportError
     from ketch.models import ModelLoadError
     from ketch.preflight import StartupError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
@@ -27,7 +28,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
-    run_errors += (CheckpointError, StartupError)
+    run_errors += (CheckpointError, ExportError, StartupError)
     return (*USER_ERRORS, *data_errors, *run_errors)
 
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             from ketch.trainer.builtin import resolve_model_path
             from ketch.trainer.sft import SFTTrainer
 
-            SFTTrainer(config, resolve_model_path(config)).fit()
+            SFTTrainer(config, resolve_model_path).fit()
         elif args.command == "rm":
             from ketch.trainer.rm import RMTrainer
 

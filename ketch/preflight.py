@@ -1,21 +1,31 @@
-"""What a run checks before anything loads, shared with `ketch doctor`: the output directory and the ketch cache
-directory can be written, and vLLM is installed in a supported version when `rollout.name=vllm`.
+"""What a run checks before any model is built or warmed up, shared with `ketch doctor`: the output directory and
+the ketch cache directory can be written, and vLLM is installed in a supported version and imports when
+`rollout.name=vllm`; then the data files, the data sources that the registered scorers score, and the tools of a
+multi-turn rollout.
 
-Each check is a `Check` row (the rows of the `ketch doctor` table); `preflight` turns the failed ones into one
-`StartupError` that the trainers raise first thing, so a run that cannot work stops before any model loads and
-leaves nothing behind.
+Each directory and vLLM check is a `Check` row (the rows of the `ketch doctor` table); `preflight` turns the failed
+ones into one `StartupError`, and the data and tools raise their own errors. The trainers call it first thing, so
+a run that cannot work stops in seconds (before the built-in model's warm-up, minutes on a first run) and leaves
+nothing behind.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from ketch.cache import CACHE_FIX, cache_root
 from ketch.config import KetchConfig
+from ketch.data import resolve_data_files
+from ketch.data.dataset import DEFAULT_DATA_SOURCE
+from ketch.data.parquet import Rows, read_parquet_files
+from ketch.rewards import UnknownDataSourceError, known_data_sources
+from ketch.rewards.registry import scorer_for
 from ketch.rollout import vllm_adapter
+from ketch.rollout.multi_turn import environment_factory
 
 GIB = 2**30
 """Bytes per GiB, for the rows' figures."""
@@ -30,17 +40,49 @@ class Check:
 
 
 class StartupError(RuntimeError):
-    """A run cannot start here (an unwritable output or cache directory, a missing vLLM); the message says what
-    to do."""
+    """A run cannot start here (an unwritable output or cache directory, a missing or broken vLLM); the message
+    says what to do."""
 
 
-def preflight(config: KetchConfig) -> None:
-    """Raise `StartupError` listing every check a run of `config` cannot start without that fails here."""
+def preflight(config: KetchConfig, required: Mapping[str, str], scored: bool = False) -> None:
+    """Every check a run of `config` can make before any model is built: raise `StartupError` listing each failed
+    row; then `DatasetError` for a data file that is missing, unreadable, empty or without a `required` column
+    (column -> the `data.` key that names it), with `scored` (PPO) `UnknownDataSourceError` for a data source that
+    no registered scorer scores, and an error for a tools or environment file that does not load."""
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
     rows = (output_dir_row(run_dir), cache_row(), vllm_row(config))
     failed = [f"{r.detail}: {r.fix}" for r in rows if r.status == "FAIL"]
     if failed:
         raise StartupError("cannot start the run:\n  - " + "\n  - ".join(failed))
+    d = config.data
+    train = _data_sources(d.train_files, required)
+    val = _data_sources(d.val_files, required) if d.val_files else None
+    if scored and config.reward.function is None:  # a user's function scores every data source
+        if config.reward.source_weights["rule"]:
+            check_data_sources(train, d.max_samples)
+        if val is not None:  # validation always scores with the rules
+            check_data_sources(val, d.max_samples)
+    if config.rollout.multi_turn.enable:
+        environment_factory(config, tokenizer=None)
+
+
+def _data_sources(files: list[str], required: Mapping[str, str]) -> Rows:
+    """The `data_source` column of `files` (the data files checked on the way, see `read_parquet_files`)."""
+    return read_parquet_files(resolve_data_files(files), required, columns=["data_source"])
+
+
+def check_data_sources(rows: Rows, max_samples: int | None) -> None:
+    """Raise `UnknownDataSourceError`, naming the file and row, at the first of the rows in use (the first
+    `data.max_samples`) whose data source has no registered scorer."""
+    known = set(known_data_sources())
+    sources = rows.columns.get("data_source", [None] * len(rows))[:max_samples]
+    for row, source in enumerate(sources):
+        name = DEFAULT_DATA_SOURCE if source is None else str(source)
+        if name not in known:
+            try:
+                scorer_for(name)
+            except UnknownDataSourceError as err:
+                raise UnknownDataSourceError(f"data file {rows.locate(row)}: {err}") from None
 
 
 def existing_parent(path: Path) -> Path:
@@ -81,7 +123,8 @@ def cache_row() -> Check:
 
 
 def vllm_row(config: KetchConfig) -> Check:
-    """vLLM's version against the supported range; a FAIL only when `rollout.name=vllm` needs it."""
+    """vLLM's version against the supported range, and (when `rollout.name=vllm` needs it) whether it imports; a
+    FAIL only when it is needed."""
     needed = config.rollout.name == "vllm"
     spec = vllm_adapter.supported_range()
     fix = f"pip install 'vllm{spec}'"
@@ -90,7 +133,10 @@ def vllm_row(config: KetchConfig) -> Check:
         if needed:
             return Check("vllm", "FAIL", "not installed, and rollout.name=vllm", f"{fix}, or set rollout.name=hf")
         return Check("vllm", "ok", "not installed (needed only for rollout.name=vllm)")
-    if vllm_adapter.is_supported(version):
-        return Check("vllm", "ok", f"{version} (supported: {spec})")
-    detail = f"vLLM {version}, outside the supported {spec}" + (", and rollout.name=vllm" if needed else "")
-    return Check("vllm", "FAIL" if needed else "warn", detail, f"{fix}, or set rollout.name=hf" if needed else fix)
+    if not vllm_adapter.is_supported(version):
+        detail = f"vLLM {version}, outside the supported {spec}" + (", and rollout.name=vllm" if needed else "")
+        return Check("vllm", "FAIL" if needed else "warn", detail, f"{fix}, or set rollout.name=hf" if needed else fix)
+    if needed and (error := vllm_adapter.import_error()):
+        detail = f"vLLM {version} is installed, but `import vllm` fails with {error}"
+        return Check("vllm", "FAIL", detail, f"pip install --force-reinstall 'vllm{spec}', or set rollout.name=hf")
+    return Check("vllm", "ok", f"{version} (supported: {spec})")

@@ -23,6 +23,9 @@ from ketch.data.values import object_array
 
 _RESERVED_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt", "index", "source_row")
 
+DEFAULT_DATA_SOURCE = "unknown"
+"""The data source of a row whose file has no `data_source` column (or an empty cell)."""
+
 
 class RLHFDataset(Dataset):
     """Prompts of one split. Item `i` is a dict (1-D tensors unpadded):
@@ -40,7 +43,7 @@ class RLHFDataset(Dataset):
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
         self.config = config
         self.pad_token_id = pad_token_id(tokenizer)
-        self.rows = read_parquet_files(files, required={config.prompt_key: "prompt_key"})
+        self.rows = read_parquet_files(files, self.required_columns(config))
         _check_reserved(self.rows, config.prompt_key)
         row_ids = first_rows(self.rows, config)
         ids = encode(tokenizer, prompt_texts(self.rows, row_ids, tokenizer, config))
@@ -50,6 +53,11 @@ class RLHFDataset(Dataset):
         self.num_filtered = int((~keep).sum())
         self.row_ids = row_ids[keep]
         self.input_ids = PackedSequences([_truncate(ids[k], limit, config.truncation) for k in np.flatnonzero(keep)])
+
+    @staticmethod
+    def required_columns(config: DataConfig) -> dict[str, str]:
+        """The columns every file must have, each with the `data.` key that names it."""
+        return {config.prompt_key: "prompt_key"}
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -61,7 +69,7 @@ class RLHFDataset(Dataset):
         cells = {name: values[row] for name, values in self.rows.columns.items()}
         item = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
         item["raw_prompt"] = cells.pop(self.config.prompt_key)
-        item["data_source"] = _default(cells.pop("data_source", None), "unknown")
+        item["data_source"] = _default(cells.pop("data_source", None), DEFAULT_DATA_SOURCE)
         item["ground_truth"] = _ground_truth(cells)
         cells.pop("ground_truth", None)
         item["extra_info"] = _default(cells.pop("extra_info", None), {})

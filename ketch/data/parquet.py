@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import os
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +29,10 @@ class Rows:
     files: list[str] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     """The first row of each file."""
+    num_rows: int = 0
 
     def __len__(self) -> int:
-        return len(next(iter(self.columns.values()), []))
+        return self.num_rows
 
     def locate(self, row: int) -> str:
         """Where row `row` comes from, for error messages: `file, row N` (N counts from 0 in that file)."""
@@ -45,15 +46,18 @@ class Rows:
         for name in table.column_names:
             if not name.startswith(_PANDAS_INDEX_PREFIX):
                 self.columns.setdefault(name, [None] * before).extend(table.column(name).to_pylist())
+        self.num_rows += table.num_rows
         for values in self.columns.values():
-            values.extend([None] * (before + table.num_rows - len(values)))
+            values.extend([None] * (self.num_rows - len(values)))
 
 
-def read_table(url: str) -> pa.Table:
-    """One Parquet file as a pyarrow Table; a missing, unreadable or empty file raises DatasetError."""
+def read_table(url: str, required: Mapping[str, str], columns: Collection[str] | None = None) -> pa.Table:
+    """One Parquet file as a pyarrow Table: all its columns, or those in `columns`. A missing, unreadable or empty
+    file, or one without a `required` column (see `read_parquet_files`), raises DatasetError."""
     try:
         with fsspec.open(url, "rb") as f:
-            table = pq.read_table(f)
+            names = pq.ParquetFile(f).schema_arrow.names
+            table = pq.read_table(f, columns=None if columns is None else [n for n in names if n in columns])
     except FileNotFoundError:
         raise DatasetError(f"data file not found: {url}; check data.train_files / data.val_files") from None
     except ImportError as e:
@@ -62,6 +66,12 @@ def read_table(url: str) -> pa.Table:
         raise DatasetError(f"cannot read {url} as a Parquet file ({type(e).__name__}: {e})") from None
     if table.num_rows == 0:
         raise DatasetError(f"data file {url} has no rows; give a file with at least one row")
+    for column, setting in required.items():
+        if column not in names:
+            raise DatasetError(
+                f"data file {url} has no column {column!r} (data.{setting}); its columns are: "
+                f"{', '.join(names)}; set data.{setting}=<one of them>"
+            )
     return table
 
 
@@ -90,24 +100,18 @@ def expand_data_files(files: list[str]) -> list[str]:
     return expanded
 
 
-def read_parquet_files(files: list[str], required: Mapping[str, str]) -> Rows:
+def read_parquet_files(files: list[str], required: Mapping[str, str], columns: Collection[str] | None = None) -> Rows:
     """Concatenate the rows of `files` in order (directories and glob patterns expanded by `expand_data_files`).
 
     `required` maps each column every file must have to the config field that names it (e.g.
-    `{"question": "prompt_key"}`), so the error can say which setting to change.
+    `{"question": "prompt_key"}`), so the error can say which setting to change. `columns`, when given, are the
+    only columns read (a start-up check of large files reads one or two); the required ones are checked all the same.
     """
     if not files:
         raise DatasetError("no data files given; list Parquet files in data.train_files / data.val_files")
     rows = Rows()
     for url in expand_data_files(files):
-        table = read_table(url)
-        for column, setting in required.items():
-            if column not in table.column_names:
-                raise DatasetError(
-                    f"data file {url} has no column {column!r} (data.{setting}); its columns are: "
-                    f"{', '.join(table.column_names)}; set data.{setting}=<one of them>"
-                )
-        rows.append(url, table)
+        rows.append(url, read_table(url, required, columns))
     return rows
 
 

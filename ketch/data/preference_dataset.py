@@ -48,9 +48,7 @@ class PreferenceDataset(Dataset):
                 raise DatasetError(f"data.chat_template: {e}") from None
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
         self.pad_token_id = pad_token_id(tokenizer)
-        rows = read_parquet_files(
-            files, required={config.chosen_key: "chosen_key", config.rejected_key: "rejected_key"}
-        )
+        rows = read_parquet_files(files, self.required_columns(config))
         pairs = {int(row): _pair(rows, int(row), config) for row in first_rows(rows, config)}
         self.num_skipped = _skip_bad_pairs(pairs, rows)
         row_ids = np.array(sorted(pairs), dtype=np.int64)
@@ -63,6 +61,11 @@ class PreferenceDataset(Dataset):
         self.row_ids = row_ids[keep]
         self.chosen = PackedSequences([_truncate(chosen[k], limit, config.truncation) for k in keep])
         self.rejected = PackedSequences([_truncate(rejected[k], limit, config.truncation) for k in keep])
+
+    @staticmethod
+    def required_columns(config: DataConfig) -> dict[str, str]:
+        """The columns every file must have, each with the `data.` key that names it."""
+        return {config.chosen_key: "chosen_key", config.rejected_key: "rejected_key"}
 
     def __len__(self) -> int:
         return len(self.row_ids)

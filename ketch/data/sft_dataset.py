@@ -50,8 +50,7 @@ class SFTDataset(Dataset):
             raise DatasetError("SFTDataset ends every response with EOS, but the tokenizer has no EOS token")
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
         self.pad_token_id = pad_token_id(tokenizer)
-        required = {config.prompt_key: "prompt_key", config.response_key: "response_key"}
-        rows = read_parquet_files(files, required=required)
+        rows = read_parquet_files(files, self.required_columns(config))
         row_ids = first_rows(rows, config)
         if tools is None:
             prompts = encode(tokenizer, prompt_texts(rows, row_ids, tokenizer, config))
@@ -71,6 +70,11 @@ class SFTDataset(Dataset):
         kept = np.flatnonzero(keep)
         self.input_ids = PackedSequences([_truncate(sequences[k], limit, config.truncation) for k in kept])
         self.loss_masks = PackedSequences([_truncate(loss_masks[k], limit, config.truncation) for k in kept])
+
+    @staticmethod
+    def required_columns(config: DataConfig) -> dict[str, str]:
+        """The columns every file must have, each with the `data.` key that names it."""
+        return {config.prompt_key: "prompt_key", config.response_key: "response_key"}
 
     def __len__(self) -> int:
         return len(self.row_ids)

@@ -2,12 +2,17 @@
 
 Weights come either from a live engine (gathered from the FSDP shards one parameter at a time) or from a
 sharded checkpoint (read on the CPU with no process group), and are written by `save_pretrained` on a
-model skeleton on the meta device, so no second copy of the weights is ever allocated.
+model skeleton on the meta device, so no second copy of the weights is ever allocated. A directory is written
+under a temporary name next to its place and moved there only when complete: a failed write (a full disk)
+leaves no directory that looks like a model without its weights.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +26,16 @@ from transformers import (
     GenerationConfig,
 )
 
+from ketch.disk import free_space, write_error_cause
 from ketch.engine.engine import TrainEngine
 
 WRAPPER_PREFIXES = ("lm.", "critic.", "reward_model.")
 """Submodule names of `PolicyModel` / `ValueModel` / `ScoreModel` in front of the HF parameter names."""
+
+
+class ExportError(RuntimeError):
+    """A model directory could not be written (disk full, file too large, I/O error); the message names the
+    directory, the bytes it needs and the bytes free."""
 
 
 def is_critic_config(hf_config) -> bool:
@@ -52,12 +63,31 @@ def write_hf_directory(
 ) -> Path:
     """Save `state` (HF parameter names) with `hf_config` as safetensors (sharded with an index above
     `max_shard_size`), plus the tokenizer, a generation config whose EOS ids are `stop_token_ids`, and
-    `vllm_engine_config.json` when `engine_config` is given."""
+    `vllm_engine_config.json` when `engine_config` is given. The files appear in `out_dir` only once all are
+    written; a failed write raises `ExportError` and leaves `out_dir` as it was."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    auto_cls = _auto_class(hf_config)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+    needed = sum(t.numel() * t.element_size() for t in state.values())  # save_pretrained empties `state`
+    try:
+        _write_files(staging, state, hf_config, tokenizer, stop_token_ids, engine_config, max_shard_size)
+    except BaseException as err:
+        shutil.rmtree(staging, ignore_errors=True)
+        if (cause := write_error_cause(err)) is None:
+            raise
+        raise ExportError(
+            f"could not write the model to {out} ({cause}); its weights need about {needed} bytes "
+            f"({needed / 2**30:.2f} GiB) and {free_space(out.parent)}"
+        ) from err
+    _move_into_place(staging, out)
+    return out
+
+
+def _write_files(out: Path, state, hf_config, tokenizer, stop_token_ids, engine_config, max_shard_size: str) -> None:
+    """The files of `write_hf_directory`, written into `out`."""
+    out.mkdir()
     with torch.device("meta"):
-        skeleton = auto_cls.from_config(hf_config)
+        skeleton = _auto_class(hf_config).from_config(hf_config)
     skeleton.save_pretrained(out, state_dict=state, max_shard_size=max_shard_size, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
@@ -68,7 +98,18 @@ def write_hf_directory(
         ).save_pretrained(out)
     if engine_config is not None:
         (out / "vllm_engine_config.json").write_text(json.dumps(engine_config, indent=2))
-    return out
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename the complete `staging` to `out`; into an existing `out` (another export's, or a directory the user
+    named), its files are moved one by one, `config.json` last, so that `out` holds a model's config only once
+    its weights are there."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    for name in sorted(os.listdir(staging), key=lambda name: name == "config.json"):
+        os.replace(staging / name, out / name)
+    staging.rmdir()
 
 
 def gather_hf_state(engine: TrainEngine, keep: bool = True) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ built-in tiny model."""
 from ketch.models.loader import (
     ModelLoadError,
     check_causal_lm,
+    check_tokenizer_fits,
     check_value_head,
     load_causal_lm,
     load_critic,
@@ -27,6 +28,7 @@ __all__ = [
     "ModelLoadError",
     "build_tiny_model",
     "check_causal_lm",
+    "check_tokenizer_fits",
     "check_value_head",
     "ensure_eos_token",
     "ensure_pad_token",

@@ -188,6 +188,24 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, model_path: str |
     return tokenizer
 
 
+def check_tokenizer_fits(tokenizer, model_config, model_path: str, tokenizer_path: str | None) -> None:
+    """Raise `ModelLoadError` when `tokenizer` can produce a token id that the model has no embedding for: every id
+    of its vocabulary, added and special tokens must be below the model's `vocab_size` (`tokenizer_path`:
+    `model.tokenizer_path`, None when the tokenizer is the model's own)."""
+    vocab_size = getattr(model_config.get_text_config(), "vocab_size", None)
+    largest = max([*tokenizer.get_vocab().values(), *tokenizer.all_special_ids])
+    if vocab_size is None or largest < vocab_size:
+        return
+    source = f"{tokenizer_path} (model.tokenizer_path)" if tokenizer_path else model_path
+    own = "use the model's own tokenizer (unset model.tokenizer_path)"
+    other = own if tokenizer_path else "set model.tokenizer_path to a tokenizer that fits it"
+    raise ModelLoadError(
+        f"the tokenizer of {source} produces token ids up to {largest}, but the model {model_path} has {vocab_size} "
+        f"token embeddings (ids 0 to {vocab_size - 1}); resize the model's embeddings to {largest + 1} "
+        f"(model.resize_token_embeddings({largest + 1}), then save the model) or {other}"
+    )
+
+
 def _check_tokenizer_files(path: str) -> None:
     """A local directory without any tokenizer file fails with the fix, not transformers' conversion error."""
     local = Path(path).expanduser()

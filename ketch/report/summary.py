@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,8 @@ def summarize(run: RunRecord) -> str:
     lines += _time_lines(run)
     failures = [e for e in run.events if e["event"] == "failure"]
     for f in failures:
-        lines.append(f"failure at step {f.get('step')}: {f.get('role')} rank {f.get('rank')}: {f.get('error')}")
+        when, who = failure_place(f)
+        lines.append(f"failure at {when}: {who}: {f.get('error')}")
         lines += [textwrap.indent(f["traceback"], "    ")] if f.get("traceback") else []
     return "\n".join(lines) + "\n"
 
@@ -40,10 +42,19 @@ def status(run: RunRecord) -> str:
         return f"finished: {last} steps{of}"
     if latest == "failure":
         failures, recoveries = run.count("failure"), run.count("recovery")
-        return f"failed after step {last}{of}: {failures} failure(s), {recoveries} recovered (see below)"
+        when = f"after step {last}{of}" if run.steps else "before its first step"
+        return f"failed {when}: {failures} failure(s), {recoveries} recovered (see below)"
     if not run.steps:
         return "no step recorded (the run stopped before its first step)"
     return f"stopped after step {last}{of} without an end record (crashed, killed, or still running)"
+
+
+def failure_place(failure: dict[str, Any]) -> tuple[str, str]:
+    """When and where a `failure` event happened, in words: (`step 3`, or `step 0 (the validation before
+    training)`; `actor_rollout rank 1`, or `driver` for the driver's own failures, which have no rank)."""
+    step, role, rank = failure.get("step"), failure.get("role"), failure.get("rank")
+    when = "step 0 (the validation before training)" if step == 0 else f"step {step}"
+    return when, role if rank is None else f"{role} rank {rank}"
 
 
 def _validation_lines(run: RunRecord) -> list[str]:

@@ -38,11 +38,13 @@ class RewardScorer:
     on_error="raise" stops at the first failing sample with a `RewardError`; "zero" scores it 0, logs each
     distinct error once on the `ketch.rewards` logger and counts it in `info["num_errors"]`. `scorer_kwargs`
     maps a data source to keyword arguments for the function that scores its samples (`reward.scorer_kwargs`).
+    The trainers build it before any model loads, so that a broken function fails first, with `tokenizer=None`,
+    and set `tokenizer` (which decodes the responses) once it has loaded.
     """
 
     def __init__(
         self,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | None,
         function: str | None = None,
         on_error: Literal["raise", "zero"] = "raise",
         scorer_kwargs: dict[str, dict[str, Any]] | None = None,

@@ -3,8 +3,11 @@ and the in-memory weight reload. When vLLM changes, this module is what changes.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -37,6 +40,24 @@ def supported_range() -> str:
 def is_supported(version: Version) -> bool:
     low, high = SUPPORTED_VLLM
     return low <= version < high
+
+
+def import_error() -> str | None:
+    """Why `import vllm` fails (the last line of its traceback, `Type: message`), or None when it imports. It is
+    tried in a fresh interpreter with this process's `sys.path` (once per process and path): an install that the
+    package metadata finds may still be broken or shadowed, and importing vLLM here would set up its logging before
+    `create_engine` sets the environment it reads."""
+    return _import_error(tuple(sys.path))
+
+
+@functools.cache
+def _import_error(path: tuple[str, ...]) -> str | None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(path), "VLLM_LOGGING_LEVEL": "ERROR"}
+    result = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, env=env)
+    if result.returncode == 0:
+        return None
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"exit status {result.returncode}"
 
 
 def check_version() -> Version:

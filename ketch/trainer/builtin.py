@@ -3,7 +3,8 @@
 
 A random model cannot do arithmetic, so `ketch train` with no arguments first fine-tunes the tiny model
 to a partly-correct state (once per machine; the result is cached under the user cache directory, keyed
-by the task, model and warm-up settings) and starts PPO from there, leaving RL room to improve it.
+by the task, model and warm-up settings) and starts PPO from there, leaving RL room to improve it. A warm-up
+works in a directory of its own next to the cached models, removed when it ends, also when it is interrupted.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ import hashlib
 import json
 import logging
 import math
+import os
+import re
 import shutil
-import tempfile
+import signal
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ketch.cache import cache_dir
 from ketch.config import KetchConfig, load_config
@@ -153,8 +162,8 @@ def _settings_hash(warmup: Warmup) -> str:
 def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
     logger.info("warming up the built-in tiny model with a short SFT (once; cached in %s)", target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".warmup-") as tmp:
-        init = Path(tmp) / "init"
+    with _warmup_dir(target.parent) as tmp:
+        init = tmp / "init"
         if warmup.start:
             shutil.copytree(_built_model(warmup.start, device), init)
         else:
@@ -163,11 +172,77 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
         overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
         sft = SFTTrainer(load_config(overrides=overrides))
         sft.fit(stop_when=warmup.reached, keep_when=warmup.kept)
-        if not (Path(tmp) / "warmup" / "model" / "config.json").is_file():
+        if not (tmp / "warmup" / "model" / "config.json").is_file():
             raise RuntimeError(
                 f"the warm-up's first validation was already above {warmup.metric}={warmup.target}, so it kept no "
                 "model; validate more often (trainer.test_freq of the warm-up)"
             )
         if not (target / "config.json").is_file():
             shutil.rmtree(target, ignore_errors=True)
-            (Path(tmp) / "warmup" / "model").rename(target)
+            (tmp / "warmup" / "model").rename(target)
+
+
+_WARMUP_DIR = re.compile(r"^\.warmup-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+"""A warm-up's directory: `.warmup-<host>-<pid>-<8 hex digits>`, named after the process that works in it."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived during a warm-up: raised in the main thread, so that the warm-up's directory is removed
+    before the process ends as SIGTERM ends it."""
+
+
+@contextmanager
+def _warmup_dir(parent: Path) -> Iterator[Path]:
+    """A fresh warm-up directory in `parent`, removed when the block ends: normally, on an error, on Ctrl-C, and on
+    SIGTERM (`kill`, `timeout`, a scheduler's preemption), whose default would end the process at once. First the
+    directories of warm-ups that died with their process (SIGKILL, a crash of the machine) are swept."""
+    _remove_stale(parent)
+    path = parent / f".warmup-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    previous = _raise_on_sigterm()
+    try:
+        yield path
+    except _Terminated:
+        shutil.rmtree(path, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)  # ends the process (the default), or runs the handler there was
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _raise_on_sigterm() -> Any:
+    """Make SIGTERM raise `_Terminated`; returns the handler it replaces, or None when it cannot (outside the main
+    thread, or a handler that was not set from Python and could not be put back) or should not (SIGTERM ignored)."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous in (None, signal.SIG_IGN):
+        return None
+
+    def raise_terminated(signum, frame) -> None:
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, raise_terminated)
+    return previous
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove the warm-up directories in `parent` whose process, on this machine, is gone; those of running warm-ups
+    and of other machines (a shared cache directory) stay."""
+    host = socket.gethostname()
+    for path in parent.glob(".warmup-*"):
+        match = _WARMUP_DIR.match(path.name)
+        if match and match["host"] == host and not _is_running(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("removed %s, left by a warm-up that was stopped", path)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

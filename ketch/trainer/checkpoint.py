@@ -15,7 +15,6 @@ pointer is replaced; `trainer_state.json` is what marks a directory as complete.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import re
@@ -26,14 +25,12 @@ from typing import Any
 
 import fsspec
 
+from ketch.disk import free_space, write_error_cause
+
 logger = logging.getLogger("ketch")
 
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_IO_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO, errno.EROFS}
-_IO_FAILURE = re.compile(r"No space left|File too large|Disk quota|Input/output error|unexpected pos|StreamWriter")
-"""A failed write is an `OSError` with one of `_IO_ERRNOS`, or an error with one of these messages (torch's zip
-writer reports a short write as `unexpected pos N vs M`)."""
 
 
 class CheckpointError(RuntimeError):
@@ -77,16 +74,17 @@ class CheckpointManager:
         shutil.rmtree(staging, ignore_errors=True)
 
     def io_failure(self, step: int, err: BaseException) -> CheckpointError:
-        """What to tell the user when writing the checkpoint of `step` failed with `err`."""
-        free = shutil.disk_usage(self.root).free
+        """What to tell the user when writing the checkpoint of `step` failed with `err` (a failed write)."""
         latest = self.latest()
-        kept = f"{latest} stays the latest checkpoint" if latest else "there is no earlier checkpoint"
+        if latest is None:
+            kept, again = "there is no earlier checkpoint", "it starts again from step 1"
+        else:
+            kept, again = f"{latest} stays the latest checkpoint", f"it resumes from {latest.name}"
         return CheckpointError(
             f"could not write the checkpoint of step {step} to {self.root / f'global_step_{step}'} "
-            f"({_io_cause(err)}); {free} bytes "
-            f"({free / 1024**3:.2f} GiB) are free on {self.root}. {kept}. Free space (or set "
-            "trainer.default_local_dir to a larger disk, or trainer.max_checkpoints_to_keep), then run the same "
-            "command again: it resumes from the latest checkpoint",
+            f"({write_error_cause(err)}); {free_space(self.root)}. {kept}. Free space (or set "
+            f"trainer.default_local_dir to a larger disk, or trainer.max_checkpoints_to_keep), then run the same "
+            f"command again: {again}",
             step,
         )
 
@@ -119,21 +117,6 @@ class CheckpointManager:
         fs, path = fsspec.core.url_to_fs(target)
         fs.put(str(checkpoint), path, recursive=True)
         logger.info("copied checkpoint to %s", target)
-
-
-def is_io_error(err: BaseException) -> bool:
-    """Whether `err`, or an error it wraps, is a failed write: an `OSError` or a write error's message."""
-    return _io_cause(err) is not None
-
-
-def _io_cause(err: BaseException) -> str | None:
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if (isinstance(err, OSError) and err.errno in _IO_ERRNOS) or _IO_FAILURE.search(str(err)):
-            return f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
-        err = getattr(err, "cause", None) or err.__cause__ or err.__context__
-    return None
 
 
 def due(freq: int, step: int, total_steps: int) -> bool:

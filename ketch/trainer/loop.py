@@ -4,7 +4,8 @@ resume, recovery from failed steps, and the export at the end. `PPOTrainer` supp
 A failed step (a worker raising, out of memory, a worker process dying, a call timing out) is logged as
 an event; when the workers are still alive a checkpoint is saved first (`trainer.checkpoint_on_failure`);
 then the workers are torn down, started again and resumed from the newest complete checkpoint, up to
-`trainer.max_retries` times, after which the run stops with a summary of every failure.
+`trainer.max_retries` times, after which the run stops with a summary of every failure. A failure that is not
+retried (the driver's own, a failed export of the model) ends the run the same way: event, summary, report.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ import torch
 
 from ketch.config import to_dict
 from ketch.controller.errors import WorkerDiedError, WorkerError, describe, is_out_of_memory
+from ketch.disk import write_error_cause
+from ketch.engine.export import ExportError
 from ketch.models import stop_token_ids
 from ketch.report import write_report
+from ketch.report.summary import failure_place
 from ketch.tracking import Tracker, info
-from ketch.trainer.checkpoint import CheckpointManager, due, is_io_error, read_trainer_state
+from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.oom_advice import out_of_memory_advice
 from ketch.trainer.run_dir import removed_if_start_fails
@@ -47,8 +51,8 @@ class TrainingLoop:
     failures: list[dict[str, Any]]
 
     def fit(self) -> dict[str, float]:
-        """Train until `total_steps`, recovering from failed steps; returns the last step's metrics. A failure that
-        ends the run is recorded (event, summary, report) before it propagates."""
+        """Train until `total_steps`, recovering from failed steps, and export the model; returns the last step's
+        metrics. A failure that ends the run is recorded (event, summary, report) before it propagates."""
         self._open()
         try:
             while True:
@@ -57,13 +61,14 @@ class TrainingLoop:
                     break
                 except RECOVERABLE as err:
                     self._recover(err)
+            model_dir = self._export()
         except RunFailedError:
             raise
         except Exception as err:
             self._record_failure(err)
             self._close_failed()
             raise
-        self._finish(metrics)
+        self._finish(metrics, model_dir)
         return metrics
 
     def _run(self) -> dict[str, float]:
@@ -91,7 +96,11 @@ class TrainingLoop:
 
     def _validate_and_log_samples(self, step: int) -> dict[str, float]:
         """Validate; the responses to the first `trainer.val_samples_to_log` prompts go to `samples.jsonl`."""
-        metrics = self._validate(step)
+        try:
+            metrics = self._validate(step)
+        except Exception as err:
+            err.step = step  # step 0's validation fails before step 1 starts
+            raise
         keep = self.config.trainer.val_samples_to_log
         self.tracker.log_samples([r for r in getattr(metrics, "samples", []) if r["prompt_id"] < keep], step)
         return metrics
@@ -167,7 +176,7 @@ class TrainingLoop:
             path = self.checkpoints.commit(staging, self.step, state, to_dict(self.config))
         except BaseException as err:
             self.checkpoints.discard(staging)
-            if is_io_error(err):
+            if write_error_cause(err) is not None:
                 raise self.checkpoints.io_failure(self.step, err) from err
             err.step = self.step  # the failure belongs to the step being saved, not to the next one
             raise
@@ -222,7 +231,8 @@ class TrainingLoop:
         if failure["out_of_memory"]:
             failure["advice"] = out_of_memory_advice(getattr(err, "method", ""), self.config)
         self.failures.append(failure)
-        where = f"step {failure['step']} failed ({failure['role']} rank {failure['rank']}): {failure['error']}"
+        when, who = failure_place(failure)
+        where = f"{when} failed ({who}): {failure['error']}"
         if failure.get("advice"):
             where += "\n" + failure["advice"]
         if isinstance(err, WorkerError):  # the driver's own errors reach the user whole as they propagate
@@ -255,7 +265,8 @@ class TrainingLoop:
             f"{self.config.trainer.max_retries} allows:"
         ]
         for f in self.failures:
-            lines.append(f"  step {f['step']}: {f['role']} rank {f['rank']}: {f['error']}")
+            when, who = failure_place(f)
+            lines.append(f"  {when}: {who}: {f['error']}")
             if f.get("advice"):
                 lines.append(textwrap.fill(f["advice"], 116, initial_indent="    ", subsequent_indent="    "))
         if self.failures[-1]["traceback"]:
@@ -265,9 +276,26 @@ class TrainingLoop:
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- the end
-    def _finish(self, metrics: dict[str, float]) -> None:
+    def _export(self) -> Path:
+        """Write the actor as `<run dir>/model` (see `write_hf_directory`: a failed write leaves no `model/`)."""
         model_dir = (self.run_dir / "model").resolve()
-        self.groups.actor_rollout.save_pretrained(str(model_dir), self.engine_config())
+        try:
+            self.groups.actor_rollout.save_pretrained(str(model_dir), self.engine_config())
+        except WorkerError as err:
+            if not isinstance(err.cause, ExportError):
+                raise
+            latest = self.checkpoints.latest()
+            held = f"the checkpoint {latest} holds" if latest else "no checkpoint holds"
+            again = f"it resumes from {latest.name} and writes the model" if latest else "it trains again from step 1"
+            failed = ExportError(
+                f"{err.cause}. {held} the trained model: free space (or set trainer.default_local_dir to a larger "
+                f"disk), then run the same command again: {again}"
+            )
+            failed.step = self.step  # the export follows the last step
+            raise failed from err
+        return model_dir
+
+    def _finish(self, metrics: dict[str, float], model_dir: Path) -> None:
         self.groups.shutdown()
         self.tracker.event("end", step=self.step, model=str(model_dir))
         self.tracker.close()

@@ -32,11 +32,10 @@ from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
-from ketch.models import check_causal_lm, check_value_head, load_model_config, load_tokenizer
+from ketch.models import check_causal_lm, check_tokenizer_fits, check_value_head, load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
-from ketch.rollout.multi_turn import environment_factory
 from ketch.trainer.balance import balance_tokens
 from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_groups
@@ -54,10 +53,16 @@ class PPOTrainer(TrainingLoop):
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
-        preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
+        preflight(c, RLHFDataset.required_columns(c.data), scored=True)  # what can fail before any model is built
+        self.reward = RewardScorer(None, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
         get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
+        self.mixer = RewardMixer(c.reward.source_weights, c.reward.clip, c.reward.normalize)
+        self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
+        self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
+        if self.reward_model_path is not None:  # a bad reward model path fails before any work
+            load_model_config(self.reward_model_path, c.model.trust_remote_code)
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
-        self.model_path = resolve_model_path(c)
+        self.model_path = resolve_model_path(c)  # a built-in model is warmed up here, on its first use
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
         check_causal_lm(model_config, c.model.path)
         if c.use_critic:  # a backbone without a value-head class fails here, not in the critic's worker
@@ -71,20 +76,14 @@ class PPOTrainer(TrainingLoop):
         self.tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
-        self.reward = RewardScorer(self.tokenizer, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
-        if c.rollout.multi_turn.enable:  # a tools or environment file that does not import fails here
-            environment_factory(c, self.tokenizer)
-        self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
-        if self.reward_model_path is not None:  # a bad reward model path fails before any work
-            load_model_config(self.reward_model_path, c.model.trust_remote_code)
-        self.mixer = RewardMixer(c.reward.source_weights, c.reward.clip, c.reward.normalize)
+        check_tokenizer_fits(self.tokenizer, model_config, self.model_path, c.model.tokenizer_path)
+        self.reward.tokenizer = self.tokenizer
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
         round_size = c.algorithm.filter_groups.round_size(c.data.train_batch_size)
         self.loader = PromptLoader(self.train_set, round_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
-        self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
         self.warned_truncation = False
         self.standalone: StandaloneRollout | None = None

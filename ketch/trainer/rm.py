@@ -11,7 +11,7 @@ from ketch.algorithms import bradley_terry_loss, pairwise_accuracy
 from ketch.config import ConfigError, KetchConfig, to_dict
 from ketch.data import PreferenceDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
-from ketch.models import load_tokenizer
+from ketch.models import check_tokenizer_fits, load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.tracking import Tracker, info
@@ -37,18 +37,20 @@ class RMTrainer:
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
-        preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
+        preflight(c, PreferenceDataset.required_columns(c.data))  # what can fail before any model is built
+        _check_sizes(c)
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
+        model_config = load_model_config(self.model_path, c.model.trust_remote_code)
+        check_tokenizer_fits(tokenizer, model_config, self.model_path, c.model.tokenizer_path)
         self.train_set = PreferenceDataset(resolve_data_files(c.data.train_files), tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = PreferenceDataset(val_files, tokenizer, c.data) if val_files else None
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
-        _check_sizes(c)
 
     def fit(self) -> dict[str, float]:
         """Train, validate and checkpoint as described above; returns the last step's metrics."""

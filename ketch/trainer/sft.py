@@ -13,7 +13,7 @@ from ketch.config.parallel import check_megatron_start, check_rollout_start, meg
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
 from ketch.engine.megatron.weights import check_supported
-from ketch.models import check_causal_lm, load_model_config, load_tokenizer, local_or_hub
+from ketch.models import check_causal_lm, check_tokenizer_fits, load_model_config, load_tokenizer, local_or_hub
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
@@ -32,20 +32,22 @@ class SFTTrainer:
     Validation every `trainer.test_freq` steps reports `val/loss` and, when the validation rows carry a
     ground truth (`answer` or `reward_model.ground_truth`), the greedy accuracy `val/<data_source>/acc`.
 
-    `model_path` is `model.path` resolved; the built-in model is resolved by `ketch.trainer.builtin.resolve_model_path`
-    (which warms it up with this trainer), so it must be given for `model.path=builtin:tiny-arithmetic`."""
+    `model_path` is `model.path` resolved, or a function that resolves it, called after the start-up checks: a
+    built-in model is resolved (warmed up with this trainer) by `ketch.trainer.builtin.resolve_model_path`, which
+    `ketch sft` passes, so it must be given for `model.path=builtin:tiny-arithmetic`."""
 
-    def __init__(self, config: KetchConfig, model_path: str | None = None):
+    def __init__(self, config: KetchConfig, model_path: str | Callable[[KetchConfig], str] | None = None):
         # SFT generates only to validate, in the actor's processes: a standalone rollout is an RL placement
         self.config = c = replace(config, rollout=replace(config.rollout, placement="hybrid", staleness=0))
-        preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
+        preflight(c, SFTDataset.required_columns(c.data))  # what can fail before any model is built
+        self.reward = RewardScorer(None, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         if model_path is None and c.model.path.startswith("builtin:"):
             raise ValueError(
                 f"SFTTrainer: model.path={c.model.path} must be resolved first; pass "
-                "model_path=ketch.trainer.builtin.resolve_model_path(config) (as `ketch sft` does)"
+                "model_path=ketch.trainer.builtin.resolve_model_path (as `ketch sft` does)"
             )
-        self.model_path = model_path or local_or_hub(c.model.path)
+        self.model_path = model_path(c) if callable(model_path) else model_path or local_or_hub(c.model.path)
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)
         check_causal_lm(model_config, c.model.path)
         check_megatron_start(c, model_config, torch.cuda.is_available())
@@ -55,6 +57,8 @@ class SFTTrainer:
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
+        check_tokenizer_fits(tokenizer, model_config, self.model_path, c.model.tokenizer_path)
+        self.reward.tokenizer = tokenizer
         demo = {"turn_stop": turn_stop_strings(c, tokenizer), "tools": tool_schemas(c)}  # as the rollout renders it
         self.train_set = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data, **demo)
         val_files = resolve_data_files(c.data.val_files)
@@ -62,7 +66,6 @@ class SFTTrainer:
         self.val_prompts = RLHFDataset(val_files, tokenizer, c.data) if val_files else None
         if self.val_prompts is not None and self.val_prompts[0]["ground_truth"] is None:
             self.val_prompts = None
-        self.reward = RewardScorer(tokenizer, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
 

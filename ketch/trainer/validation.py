@@ -29,7 +29,8 @@ def generate_and_score(
     actor_rollout, dataset, reward: RewardScorer, sampling: ValSamplingConfig, batch_size: int | None
 ) -> ValidationResult:
     """`val/<data_source>/acc`, with `sampling.n` > 1 also `pass@k` and `maj@n` (see `validation_metrics`),
-    `val/response_length/mean` and `timing_s/testing` over the whole `dataset` (`sampling.n` samples per prompt;
+    `val/response_length/mean`, with `reward.on_error=zero` `val/reward/num_errors` (the samples whose scorer
+    failed, scored 0) and `timing_s/testing` over the whole `dataset` (`sampling.n` samples per prompt;
     `batch_size` prompts per generation call, None = all at once)."""
     start = time.perf_counter()
     data = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(len(dataset))]))
@@ -43,6 +44,8 @@ def generate_and_score(
     lengths = data.batch["response_mask"].sum(-1).numpy()
     sources = data.non_tensor_batch["data_source"]
     result = ValidationResult(validation_metrics(sources, accuracies(info), lengths, answers, sampling.n))
+    if reward.on_error == "zero":  # with "raise" a scorer's error stops the run
+        result["val/reward/num_errors"] = float(info["num_errors"])
     result.samples = _sample_rows(data, info, _prompt_texts(prompts[:: sampling.n], reward.tokenizer), sampling.n)
     result |= trajectory_metrics(data.non_tensor_batch, lengths, "val/multi_turn")
     result["timing_s/testing"] = time.perf_counter() - start

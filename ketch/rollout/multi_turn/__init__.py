@@ -49,7 +49,8 @@ def with_multi_turn(backend: Rollout, config: KetchConfig, tokenizer) -> Rollout
 def environment_factory(config: KetchConfig, tokenizer):
     """A function making one fresh environment per trajectory: the user's class
     (`rollout.multi_turn.environment`), else a `ToolEnvironment` over `rollout.multi_turn.tools`.
-    The tools and the environment are loaded here, so a broken file stops the run at start-up."""
+    The tools and the environment are loaded here, so a broken file stops the run at start-up (`preflight` calls
+    it before any tokenizer loads, with `tokenizer=None`: the `auto` tool-call format then reads no chat template)."""
     mt = config.rollout.multi_turn
     if mt.environment:
         return load_environment_class(mt.environment)
