@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,11 +14,12 @@ from recorded_grads import record_grads
 from torch.distributed.tensor import DTensor
 
 from ketch.algorithms import policy_loss
+from ketch.architecture import LogitTransform
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import init_process_group
 from ketch.engine.engine import TrainEngine, compile_blocks, transformer_blocks
 from ketch.engine.heads import PolicyModel
-from ketch.engine.log_probs import token_log_probs
+from ketch.engine.log_probs import logit_chunk, token_log_probs
 from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm
 from ketch.protocol import DataProto
@@ -147,6 +152,83 @@ def test_token_log_probs_without_entropy_differentiate_the_log_probs_only():
     torch.testing.assert_close(grad, weight[labels] - p @ weight, atol=1e-6, rtol=1e-5)
     empty, _ = token_log_probs(states[:0], labels[:0], weight, None, 1.0, calc_entropy=False)
     assert empty.shape == (0,) and empty.requires_grad  # a micro-batch without response tokens still backpropagates
+
+
+def _full_softmax(states, labels, weight, bias, transform: LogitTransform, temperature: float):
+    """Log-probs and entropy `[tokens]` through the whole `[tokens, vocab]` logits, differentiated by autograd."""
+    logits = (states @ weight.T + bias) * transform.scale
+    logits = transform.softcap * torch.tanh(logits / transform.softcap) / temperature
+    log_softmax = logits.log_softmax(-1)
+    return log_softmax.gather(-1, labels[:, None]).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+@pytest.mark.parametrize("calc_entropy", [True, False])
+def test_fused_log_probs_entropy_and_gradients_agree_with_the_full_logits_in_float32(calc_entropy):
+    """float32, 37 tokens in chunks of 8 (the last shorter), a scale and a soft cap (Gemma's, Granite's), a bias and
+    a temperature: the fused pass and autograd through the whole logits agree to 1e-5."""
+    g = torch.Generator().manual_seed(3)
+    states = torch.randn(37, 16, generator=g, requires_grad=True)
+    weight = (torch.randn(500, 16, generator=g) * 0.5).requires_grad_()
+    bias = torch.randn(500, generator=g, requires_grad=True)
+    labels = torch.randint(0, 500, (37,), generator=g)
+    grad_lp, grad_ent = torch.randn(2, 37, generator=g)
+    transform = LogitTransform(scale=0.8, softcap=30.0)
+
+    log_prob, entropy = token_log_probs(states, labels, weight, bias, 0.7, calc_entropy, chunk=8, transform=transform)
+    expected_lp, expected_ent = _full_softmax(states, labels, weight, bias, transform, 0.7)
+    objective = (log_prob * grad_lp).sum() + ((entropy * grad_ent).sum() if calc_entropy else 0)
+    expected_objective = (expected_lp * grad_lp).sum() + ((expected_ent * grad_ent).sum() if calc_entropy else 0)
+    got = torch.autograd.grad(objective, (states, weight, bias))
+    expected = torch.autograd.grad(expected_objective, (states, weight, bias))
+    torch.testing.assert_close(log_prob, expected_lp, atol=1e-5, rtol=0)
+    if calc_entropy:
+        torch.testing.assert_close(entropy, expected_ent, atol=1e-5, rtol=0)
+    for name, a, b in zip(("states", "weight", "bias"), got, expected, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_chunks_hold_a_bounded_number_of_logits_whatever_the_vocabulary():
+    assert logit_chunk(151936, "cuda") == 441  # Qwen2.5: 2^26 logits per chunk
+    assert logit_chunk(32000, "cuda") == 2097
+    assert logit_chunk(1000, "cuda") == 4096  # at most LOGIT_CHUNK tokens
+    assert logit_chunk(151936, "cpu") == 16  # at least MIN_LOGIT_CHUNK
+    assert logit_chunk(16384, "cpu") == 64  # 2^20 logits per chunk
+
+
+_PEAK = """
+import torch
+from ketch.engine.log_probs import token_log_probs
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+vocab, hidden = 16384, 16
+for tokens in (256, 4096, 8192):  # the first pass sets up what torch sets up once
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak resident size starts again from the current one
+    before = status("VmRSS:")
+    log_prob, entropy = token_log_probs(states, labels, weight, None, 1.0, calc_entropy=True)
+    (log_prob.sum() + entropy.sum()).backward()
+    print(status("VmHWM:") - before)
+"""
+
+
+def test_the_lm_head_passs_peak_memory_grows_with_the_tokens_not_with_tokens_times_vocabulary():
+    """The forward and backward pass of log-probs and entropy over 4,096 and 8,192 tokens of a 16k vocabulary (whose
+    float32 logits take 256 and 512 MiB), measured as the growth of a fresh process's peak resident memory. Every
+    allocation over 64 KiB is its own mapping (glibc's MALLOC_MMAP_THRESHOLD_), returned at once when freed, so the
+    resident size follows what is allocated, whatever else runs on the machine."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _PEAK], env=env, cwd=root, capture_output=True, text=True, check=True)
+    peak_4k, peak_8k = (int(line) for line in done.stdout.split()[1:])
+    logits_4k = 4096 * 16384 * 4
+    assert peak_8k < 2.2 * peak_4k, (peak_4k, peak_8k)
+    assert peak_4k < logits_4k / 8 and peak_8k < 2 * logits_4k / 8, (peak_4k, peak_8k)
 
 
 def test_load_kernels_loads_the_two_saved_kernels_on_cuda_only(monkeypatch):
