@@ -98,6 +98,12 @@ class ModelConfig:
     """Allow model code from the model directory (needed by some hub models)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    activation_offload: bool = False
+    """Keep what the training forwards (actor, critic) save for their backward pass in host memory (pinned on GPUs)
+    and copy it back when the backward pass needs it. With gradient_checkpointing that is each transformer block's
+    input, layers x tokens x hidden numbers per micro-batch, so the GPU holds one block's activations at a time and
+    no checkpoint (long responses); without it, every activation (slow). FSDP engine only; nothing is gained on
+    CPUs."""
     use_remove_padding: bool | None = None
     """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
     run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding

@@ -11,6 +11,7 @@ import logging
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ketch.architecture import compile_problem, decoder_blocks
 from ketch.compiled import SavedCompile, saved_compile
 from ketch.config.schema import OptimConfig
+from ketch.engine.activations import HostActivations
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.log_probs import load_kernels
 from ketch.engine.micro import split_micro_batches
@@ -124,7 +126,9 @@ def _hf_model(module: nn.Module) -> nn.Module:
 
 
 class TrainEngine:
-    """An FSDP2-sharded module with (optionally) AdamW and an lr schedule."""
+    """An FSDP2-sharded module with (optionally) AdamW and an lr schedule. `gradient_checkpointing` recomputes each
+    block's activations in the backward pass; `activation_offload` keeps what a training forward saves for the
+    backward (with recomputation: the checkpoints) in host memory (`ketch.engine.activations`)."""
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class TrainEngine:
         param_dtype: torch.dtype | None = None,
         gradient_checkpointing: bool = False,
         compile: bool = False,
+        activation_offload: bool = False,
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -146,6 +151,7 @@ class TrainEngine:
             compiled.load()  # after sharding: the saved guards name FSDP's class of the blocks
         load_kernels(device)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.host_activations = HostActivations() if activation_offload else None
         self.optim_config = optim
         if optim is None:
             self.module.requires_grad_(False)
@@ -194,7 +200,9 @@ class TrainEngine:
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for i, (micro, host_mask) in enumerate(self._on_device(micro_batches)):
             self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
-            loss, metrics = loss_fn(self._forward(micro, host_mask, **kwargs), micro, num_tokens, num_seqs)
+            with self.host_activations or nullcontext():
+                outputs = self._forward(micro, host_mask, **kwargs)
+            loss, metrics = loss_fn(outputs, micro, num_tokens, num_seqs)
             # FSDP averages gradients over ranks; each rank's loss is already its share of the global mean.
             (loss * self.world_size).backward()
             for key, value in {"loss": loss.detach(), **metrics}.items():

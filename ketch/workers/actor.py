@@ -76,6 +76,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                 param_dtype=mixed,
                 gradient_checkpointing=c.model.gradient_checkpointing,
                 compile=compile,
+                activation_offload=c.model.activation_offload,
             )
             self.ref = (
                 TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device, compile=compile)

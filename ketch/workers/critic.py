@@ -66,6 +66,7 @@ class CriticWorker(DeviceMemory, Worker):
                 mixed,
                 m.gradient_checkpointing,
                 compile_enabled(m.use_torch_compile, self.device),
+                activation_offload=m.activation_offload,
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:
