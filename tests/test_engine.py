@@ -152,6 +152,15 @@ def test_token_budget_micro_batches_keep_order_and_respect_the_budget():
     assert lengths == [6, 11, 8, 11, 7, 10, 9, 11]
 
 
+def test_a_sequence_longer_than_the_token_budget_gets_a_micro_batch_alone_and_its_neighbours_keep_theirs():
+    lengths = [3, 4, 20, 2, 5, 1]
+    mask = (torch.arange(24) < torch.tensor(lengths)[:, None]).long()
+    data = DataProto.from_dict({"attention_mask": mask, "input_ids": torch.arange(6)[:, None].expand(6, 24)})
+    parts = split_micro_batches(data, None, max_tokens=8)
+    assert [p.batch["attention_mask"].sum(-1).tolist() for p in parts] == [[3, 4], [20], [2, 5, 1]]
+    assert torch.equal(DataProto.concat(parts).batch["input_ids"], data.batch["input_ids"])
+
+
 def test_token_log_probs_and_their_gradients_equal_the_full_softmax():
     """Chunks of 3 of 10 tokens (the last one shorter) against autograd through the full float64 softmax."""
     g = torch.Generator().manual_seed(1)

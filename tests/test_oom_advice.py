@@ -43,7 +43,8 @@ def test_a_forward_pass_names_its_own_micro_batch_key_and_no_recomputation():
     )
     assert critic.startswith(
         "update_critic ran out of memory. Smaller forward passes: critic.ppo_micro_batch_size_per_device (unset: all "
-        "of a GPU's sequences at once). model.gradient_checkpointing=true"
+        "of a GPU's sequences at once), or actor.use_dynamic_bsz=true to bound the tokens instead. "
+        "model.gradient_checkpointing=true"
     )
     assert "larger actor.megatron.tensor_model_parallel_size or pipeline_model_parallel_size" in critic
     assert "critic.optim.offload=true keeps AdamW's moments" in critic

@@ -105,7 +105,7 @@ def test_packed_critic_and_reward_model_give_the_padded_values_and_scores(tiny_m
 
 def test_a_ppo_step_packed_or_in_token_budget_micro_batches_gives_the_padded_step(tiny_config):
     """Actor (KL to the reference) and critic through the workers: the same losses, KL and values padded, packed,
-    and packed in micro-batches of at most 40 tokens (update, old-log-prob and reference passes)."""
+    and packed in micro-batches of at most 40 tokens (update, old-log-prob and reference passes, the critic's)."""
     from ketch.trainer.ppo import PPOTrainer
 
     runs = {

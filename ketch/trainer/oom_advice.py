@@ -13,7 +13,7 @@ from ketch.config import KetchConfig
 
 GENERATION = ("generate_sequences", "warm_up_rollout")
 UPDATES = ("update_actor", "update_critic", "sft_step")
-TOKEN_BUDGETED = ("update_actor", "compute_log_prob", "compute_ref_log_prob")
+TOKEN_BUDGETED = ("update_actor", "compute_log_prob", "compute_ref_log_prob", "update_critic", "compute_values")
 """The stages that `actor.use_dynamic_bsz` sizes by tokens."""
 MICRO_BATCH_KEYS = {
     "update_actor": "actor.ppo_micro_batch_size_per_device",

@@ -39,6 +39,7 @@ from ketch.workers.common import (
     rollout_engine,
     setup_process,
     shuffle_seed,
+    token_budget,
     token_share,
 )
 from ketch.workers.weight_bridge import WeightBridge, specs_of
@@ -156,8 +157,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
 
     def _token_budget(self) -> int | None:
         """Tokens per micro-batch (`actor.use_dynamic_bsz`) for the update and the log-prob passes, else None."""
-        a = self.config.actor
-        return a.ppo_max_token_len_per_device if a.use_dynamic_bsz else None
+        return token_budget(self.config.actor)
 
     def _forward_kwargs(self, calc_entropy: bool) -> dict:
         return {"temperature": self.config.rollout.temperature, "calc_entropy": calc_entropy}

@@ -50,6 +50,12 @@ def shuffle_seed(worker, update_count: int) -> int:
     return worker.config.trainer.seed + 7919 * update_count + worker.dispatch_rank()[0]
 
 
+def token_budget(actor: ActorConfig) -> int | None:
+    """Real tokens per micro-batch (`actor.use_dynamic_bsz`) of the actor's, reference's and critic's passes, else
+    None (micro-batches count sequences)."""
+    return actor.ppo_max_token_len_per_device if actor.use_dynamic_bsz else None
+
+
 def mini_batches(
     data: DataProto, plan: UpdatePlan, shuffle: bool, seed: int, max_tokens: int | None = None
 ) -> Iterator[list[DataProto]]:

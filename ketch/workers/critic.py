@@ -25,6 +25,7 @@ from ketch.workers.common import (
     role_dispatch_rank,
     setup_process,
     shuffle_seed,
+    token_budget,
     token_share,
 )
 
@@ -75,16 +76,17 @@ class CriticWorker(DeviceMemory, Worker):
     @register(DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         """`values` `[batch, response_len]`, zero outside the response mask."""
-        out = self.critic.infer(data, self.config.critic.ppo_micro_batch_size_per_device)
+        budget = token_budget(self.config.actor)
+        out = self.critic.infer(data, self.config.critic.ppo_micro_batch_size_per_device, budget)
         return DataProto.from_dict({"values": out["values"].cpu() * data.batch["response_mask"]})
 
     @register(DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         """Value-loss epochs over this rank's share; returns metrics."""
-        seed = shuffle_seed(self, self.update_count)
+        c, seed = self.config, shuffle_seed(self, self.update_count)
         steps = [
             self.critic.train_mini_batch(micros, self._loss)
-            for micros in mini_batches(data, self.plan.critic, self.config.actor.shuffle, seed)
+            for micros in mini_batches(data, self.plan.critic, self.config.actor.shuffle, seed, token_budget(c.actor))
         ]
         self.update_count += 1
         return DataProto(meta_info={"metrics": mean_over_steps(steps, "critic")})
