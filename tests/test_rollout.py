@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -139,3 +141,32 @@ def test_a_rollout_that_frees_its_memory_while_training_decodes_as_one_that_keep
     assert not torch.equal(responses[False][0], responses[False][1]), "the update changed the greedy responses"
     for kept, freed in zip(responses[False], responses[True], strict=True):
         assert torch.equal(kept, freed)
+
+
+@pytest.mark.parametrize("decoding", ["generate", "static"])
+def test_a_token_budget_decodes_in_sub_batches_with_the_greedy_outputs_of_one_batch(tiny_config, decoding):
+    """A budget of rollout.max_num_batched_tokens that holds two rows of prompt + 12 response tokens (their KV
+    cache): 7 prompts decode as 2 + 2 + 2 + 1 rows, with the tokens and log-probs of one batch."""
+    settings = ("data.max_response_length=12", f"rollout.hf_decoding={decoding}")
+    width = prompts(tiny_config(*settings), rows=7).batch["input_ids"].shape[-1]  # the longest prompt's tokens
+    outputs, decoded = {}, []
+    for budget in (None, 2 * (width + 12) + 1):
+        config = tiny_config(*settings, *([f"rollout.max_num_batched_tokens={budget}"] if budget else []))
+        group, batch = actor_group(config), prompts(config, rows=7)
+        batch.meta_info["do_sample"] = False
+        rollout = group.worker.rollout
+        rollout._decode_batch = partial(_counted, rollout._decode_batch, decoded)
+        outputs[budget] = group.generate_sequences(batch).batch
+    assert decoded == [7, 2, 2, 2, 1]
+    if decoding == "static":
+        assert max(rows for rows, _ in rollout.decoder.caches) == 2  # no KV cache for more rows than the budget's
+    for key in ("responses", "response_mask", "attention_mask"):
+        assert torch.equal(outputs[budget][key], outputs[None][key]), key
+    log_probs = [outputs[key]["rollout_log_probs"] for key in (budget, None)]
+    torch.testing.assert_close(*log_probs, atol=1e-6, rtol=0)
+
+
+def _counted(decode_batch, rows: list[int], part: DataProto, stop_after: int | None):
+    """`decode_batch(part, stop_after)`, the rows of `part` appended to `rows`."""
+    rows.append(len(part))
+    return decode_batch(part, stop_after)

@@ -187,9 +187,10 @@ class ActorConfig:
     """Sequences per forward/backward on one device; None = the whole per-device mini-batch."""
     use_dynamic_bsz: bool = False
     """Split micro-batches by a token budget (ppo_max_token_len_per_device) instead of a sequence count, in the
-    update and in the old-log-prob and reference passes."""
+    update and in the old-log-prob and reference passes, and in the critic's (values and update)."""
     ppo_max_token_len_per_device: int = 16384
-    """Token budget of one micro-batch when use_dynamic_bsz is on."""
+    """Token budget of one micro-batch when use_dynamic_bsz is on: as many sequences as fit in that many real
+    (prompt + response) tokens; a longer sequence gets a micro-batch alone."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     recompute_old_log_prob: bool | None = None
@@ -343,7 +344,9 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """vLLM: sequences decoded together."""
     max_num_batched_tokens: int | None = None
-    """vLLM: tokens per engine step (None = vLLM's default)."""
+    """vLLM: tokens per engine step (None = vLLM's default). hf: the most prompt + response tokens decoded together,
+    which bounds the KV cache: a call's prompts are decoded in sub-batches of this // (prompt width +
+    data.max_response_length) rows, at least one (None = all at once)."""
     enforce_eager: bool = True
     """vLLM: skip CUDA graphs (faster start, slower decoding)."""
     enable_prefix_caching: bool = True

@@ -77,7 +77,17 @@ class HFRollout(Rollout):
             return *decode(together.to(device)), rows
 
     def _decode(self, prompts: DataProto, stop_after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`responses` and their log-probs `[batch, max_response_length]`; `stop_after`: see `StaticDecoder`."""
+        """`responses` and their log-probs `[batch, max_response_length]`, decoded in sub-batches of
+        `rows_per_batch` rows; `stop_after`: see `StaticDecoder`."""
+        rows = rows_per_batch(
+            self.config.max_num_batched_tokens, prompts.batch["input_ids"].shape[-1], self.max_response_length
+        )
+        if rows is None or rows >= len(prompts):
+            return self._decode_batch(prompts, stop_after)
+        parts = [self._decode_batch(part, stop_after) for part in prompts.split(rows)]
+        return tuple(torch.cat(outputs) for outputs in zip(*parts, strict=True))
+
+    def _decode_batch(self, prompts: DataProto, stop_after: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         do_sample, temperature = call_sampling(prompts, self.config)
         limits = call_limits(prompts, self.max_response_length)
         if self.decoder is None:
@@ -166,6 +176,14 @@ class HFRollout(Rollout):
             if name not in params:
                 raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")
             params[name].copy_(self.tp.shard(name, tensor) if self.tp else tensor)
+
+
+def rows_per_batch(max_num_batched_tokens: int | None, prompt_length: int, max_response_length: int) -> int | None:
+    """Rows the hf rollout decodes together: as many whose prompt and longest response fit in
+    `rollout.max_num_batched_tokens` tokens of KV cache (at least one); None (all of them) without it."""
+    if max_num_batched_tokens is None:
+        return None
+    return max(1, max_num_batched_tokens // (prompt_length + max_response_length))
 
 
 def _own_weight_memory(model: nn.Module) -> None:
