@@ -13,7 +13,12 @@ import torch
 from ketch.architecture import causal_lm_problem, packing_problem, static_decoding_problem
 from ketch.config import BatchError, KetchConfig, derive_batch_plan
 from ketch.config.memory import gpu_memory_parts
-from ketch.config.parallel import megatron_roles, megatron_start_problems, rollout_start_problems
+from ketch.config.parallel import (
+    megatron_roles,
+    megatron_start_problems,
+    rollout_start_problems,
+    sequence_parallel_problem,
+)
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
 from ketch.data.loader import PromptLoader
@@ -93,21 +98,23 @@ def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
     """Megatron and tensor-parallel rollout sizes checked as a run checks them at start-up (megatron-core
     installed, a GPU, sizes that divide the model's heads and layers); None when the run uses neither."""
     roles = megatron_roles(config)
-    rollout_tp = config.rollout.tensor_parallel_size
-    if not roles and rollout_tp == 1:
+    rollout_tp, sequence_parallel = config.rollout.tensor_parallel_size, config.actor.ulysses_sequence_parallel_size
+    if not roles and rollout_tp == 1 and sequence_parallel == 1:
         return None
     if model_config is None:
         detail = "not checked: no model config (the built-in model is built by the first run; or see the model row)"
         return Check("parallelism", "warn", detail, "")
     problems = megatron_start_problems(config, model_config, torch.cuda.is_available())
     problems += rollout_start_problems(config, model_config)
+    problems += [p for p in [sequence_parallel_problem(sequence_parallel, model_config)] if p]
     if problems:
         return Check("parallelism", "FAIL", "; ".join(problems), "change the keys named in the detail")
     grids = [
         f"{name}: Megatron TP={m.tensor_model_parallel_size} x PP={m.pipeline_model_parallel_size}"
         for name, m in roles.items()
     ]
-    return Check("parallelism", "ok", "; ".join([*grids, f"rollout TP={rollout_tp}"]) + ": they fit the model")
+    sizes = [*grids, f"rollout TP={rollout_tp}"] + [f"sequence parallel={sequence_parallel}"] * (sequence_parallel > 1)
+    return Check("parallelism", "ok", "; ".join(sizes) + ": they fit the model")
 
 
 def data_row(config: KetchConfig, key: str, tokenizer) -> tuple[Check, RLHFDataset | None]:

@@ -90,6 +90,18 @@ def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
     return tensor_parallel_problems(r.tensor_parallel_size, model_config) if r.name == "hf" else []
 
 
+def sequence_parallel_problem(size: int, model_config: Any) -> str | None:
+    """Why `size` ranks cannot share the attention heads of the model that `model_config` describes (each rank
+    attends with an equal share of the query heads and of the key/value heads), or None."""
+    shape = attention_shape(model_config)
+    if shape.heads % size or shape.kv_heads % size:
+        return (
+            f"actor.ulysses_sequence_parallel_size={size} must divide the model's attention heads ({shape.heads}) "
+            f"and key/value heads ({shape.kv_heads}); pick a common divisor"
+        )
+    return None
+
+
 def _trained(config: KetchConfig) -> list[tuple[str, Any]]:
     return [("actor", config.actor)] + ([("critic", config.critic)] if config.use_critic else [])
 

@@ -193,6 +193,13 @@ class ActorConfig:
     (prompt + response) tokens; a longer sequence gets a micro-batch alone."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ranks that share each micro-batch's tokens (Ulysses sequence parallelism, Jacobs et al. 2023, as verl's key):
+    each runs the packed row's slice of 1/size of the tokens, with all-to-alls around attention so that each
+    attends over every token with 1/size of the heads; one long response then spreads over several GPUs of a node.
+    The reference and the critic follow it. It must divide the worker processes (data-parallel ranks = processes /
+    size, which the batch sizes count) and the model's attention and key/value heads; needs packed training forwards
+    (model.use_remove_padding), strategy=fsdp and a dense model."""
     recompute_old_log_prob: bool | None = None
     """Run a forward pass for `old_log_prob` before the update. None = only when needed (more than one epoch or
     mini-batch, or KL in the reward); otherwise the update's own forward gives it (ratio 1): one forward saved."""
@@ -600,9 +607,11 @@ class KetchConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        """Processes holding one copy of a trained model: the Megatron tensor x pipeline size, else 1."""
+        """Processes that share one data-parallel rank's micro-batches: the Megatron tensor x pipeline size, else
+        actor.ulysses_sequence_parallel_size (1 without sequence parallelism)."""
         roles = [self.actor] + ([self.critic] if self.use_critic else [])
-        return max(r.megatron.model_parallel_size if r.strategy == "megatron" else 1 for r in roles)
+        sequence_parallel = self.actor.ulysses_sequence_parallel_size
+        return max(r.megatron.model_parallel_size if r.strategy == "megatron" else sequence_parallel for r in roles)
 
     def world_size(self, gpu_visible: bool) -> int:
         """Data-parallel ranks over all nodes: processes / model_parallel_size (rounded down; validation

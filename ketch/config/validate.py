@@ -55,6 +55,7 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "ppo_micro_batch_size_per_device": COUNT,
         "ppo_max_token_len_per_device": COUNT,
         "ppo_epochs": COUNT,
+        "ulysses_sequence_parallel_size": COUNT,
         "clip_ratio_low": ("[0, 1)", "the ratio is clipped below at 1 - clip_ratio_low, which must stay > 0"),
         "clip_ratio_high": NON_NEGATIVE,
         "clip_ratio_c": ("(1, inf)", "the dual-clip bound is a multiple of the advantage, e.g. 3.0"),
@@ -313,6 +314,26 @@ def _free_memory(c: KetchConfig) -> str | None:
     return None
 
 
+def _sequence_parallel(c: KetchConfig) -> str | None:
+    """Ulysses sequence parallelism: FSDP roles, packed forwards, and a size that divides the processes."""
+    size = c.actor.ulysses_sequence_parallel_size
+    if size == 1:
+        return None
+    key = f"actor.ulysses_sequence_parallel_size={size}"
+    roles = ["actor"] + (["critic"] if c.use_critic else [])
+    if any(getattr(c, name).strategy == "megatron" for name in roles):
+        return f"{key} splits the FSDP engine's micro-batches; Megatron roles use their own sequence_parallel"
+    packed = c.model.use_remove_padding
+    if packed is False or (packed is None and c.trainer.device == "cpu"):
+        return f"{key} splits the packed row of a micro-batch: set model.use_remove_padding=true"
+    for gpu_visible in (False, True):
+        processes = c.num_processes(gpu_visible)
+        if c.uses_gpu(gpu_visible) == gpu_visible and processes % size:
+            where = "trainer.n_gpus_per_node" if gpu_visible else "trainer.n_cpu_workers"
+            return f"{key} does not divide the {processes} worker processes (trainer.nnodes x {where})"
+    return None
+
+
 def _rollout_is(c: KetchConfig) -> str | None:
     a = c.actor
     if a.rollout_is is not None and a.recompute_old_log_prob is False:
@@ -346,3 +367,4 @@ def _dapo(c: KetchConfig) -> str | None:
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory)
+_CHECKS += (_sequence_parallel,)

@@ -22,12 +22,14 @@ from torch.distributed.tensor import DTensor
 
 from ketch.architecture import compile_problem, decoder_blocks
 from ketch.compiled import SavedCompile, saved_compile
+from ketch.config.parallel import sequence_parallel_problem
 from ketch.config.schema import OptimConfig
 from ketch.engine.activations import HostActivations
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.log_probs import load_kernels
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler, step_unless
+from ketch.engine.sequence_parallel import sequence_parallel_group
 from ketch.protocol import DataProto
 
 logger = logging.getLogger("ketch.engine")
@@ -121,6 +123,23 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     return norm
 
 
+def use_sequence_parallel(module: nn.Module, size: int) -> None:
+    """Give the packed head `module` its group of `size` sequence-parallel ranks; a head that runs padded, or a
+    mixture of experts (its router loss is over each rank's tokens), is refused."""
+    name = type(_hf_model(module)).__name__
+    if not getattr(module, "packed", False) or not hasattr(module, "sequence_parallel"):
+        raise ValueError(
+            f"actor.ulysses_sequence_parallel_size={size}: {name} ({type(module).__name__}) does not train packed; "
+            "sequence parallelism needs model.use_remove_padding=true and a model that packs (ketch doctor)"
+        )
+    if getattr(module, "router", None) is not None:
+        raise ValueError(f"actor.ulysses_sequence_parallel_size={size}: not for mixtures of experts ({name})")
+    problem = sequence_parallel_problem(size, _hf_model(module).config)
+    if problem:
+        raise ValueError(problem)
+    module.sequence_parallel = sequence_parallel_group(size)
+
+
 def _hf_model(module: nn.Module) -> nn.Module:
     return next((m for m in module.modules() if hasattr(m, "_no_split_modules")), module)
 
@@ -128,7 +147,8 @@ def _hf_model(module: nn.Module) -> nn.Module:
 class TrainEngine:
     """An FSDP2-sharded module with (optionally) AdamW and an lr schedule. `gradient_checkpointing` recomputes each
     block's activations in the backward pass; `activation_offload` keeps what a training forward saves for the
-    backward (with recomputation: the checkpoints) in host memory (`ketch.engine.activations`)."""
+    backward (with recomputation: the checkpoints) in host memory (`ketch.engine.activations`); `sequence_parallel`
+    ranks share each micro-batch's tokens (`ketch.engine.sequence_parallel`: they get the same micro-batches)."""
 
     def __init__(
         self,
@@ -140,6 +160,7 @@ class TrainEngine:
         gradient_checkpointing: bool = False,
         compile: bool = False,
         activation_offload: bool = False,
+        sequence_parallel: int = 1,
     ):
         if gradient_checkpointing:
             _hf_model(module).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,6 +172,9 @@ class TrainEngine:
             compiled.load()  # after sharding: the saved guards name FSDP's class of the blocks
         load_kernels(device)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel > 1:
+            use_sequence_parallel(self.module, sequence_parallel)
         self.host_activations = HostActivations() if activation_offload else None
         self.optim_config = optim
         if optim is None:
@@ -195,8 +219,10 @@ class TrainEngine:
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         masks = [m.batch["response_mask"] for m in micro_batches]
-        num_tokens = all_reduce_sum(sum(m.sum() for m in masks).to(self.device, torch.float32))
+        # the ranks of a sequence-parallel group hold the same sequences: each counted once
+        num_tokens = all_reduce_sum(sum(m.sum() for m in masks).to(self.device, torch.float32)) / self.sequence_parallel
         num_seqs = all_reduce_sum(sum((m.sum(-1) > 0).sum() for m in masks).to(self.device, torch.float32))
+        num_seqs = num_seqs / self.sequence_parallel
         totals: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
         for i, (micro, host_mask) in enumerate(self._on_device(micro_batches)):
             self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
@@ -207,7 +233,7 @@ class TrainEngine:
             (loss * self.world_size).backward()
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 totals[key] += value
-        summed = all_reduce_sum(torch.stack(list(totals.values())))
+        summed = all_reduce_sum(torch.stack(list(totals.values()))) / self.sequence_parallel
         stepped = self._step()  # launched before the metrics are read, so the GPU need not wait for the host
         return dict(zip(totals, summed.tolist(), strict=True)) | stepped
 

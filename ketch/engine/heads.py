@@ -7,7 +7,9 @@ aligned so that output `[:, t]` scores response token t from the hidden state ju
 
 With `packed`, the backbone runs padding-free on the real tokens only (`ketch.engine.packing`); outputs are
 the same, zeros at padding. Given `host_attention_mask`, the attention mask on the host, the heads find the
-real tokens from it: on the GPU, finding them would wait for all work queued before.
+real tokens from it: on the GPU, finding them would wait for all work queued before. With a `sequence_parallel`
+group (set by the engine), the policy and value heads run packed on this rank's share of the tokens
+(`ketch.engine.sequence_parallel`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ketch.algorithms.router import load_balancing_loss
 from ketch.architecture import disable_dropout, logit_transform, router, router_outputs
 from ketch.engine.log_probs import token_log_probs
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
+from ketch.engine.sequence_parallel import sharded_states
 
 
 class PolicyModel(nn.Module):
@@ -29,7 +32,7 @@ class PolicyModel(nn.Module):
     def __init__(self, lm: nn.Module, packed: bool = False):
         super().__init__()
         disable_dropout(lm)
-        self.lm, self.packed = lm, packs(lm, packed)
+        self.lm, self.packed, self.sequence_parallel = lm, packs(lm, packed), None
         self.transform, self.router_logits = logit_transform(lm.config), []
         routers = router_outputs(lm)
         self.router = router(lm.config) if routers else None
@@ -54,19 +57,23 @@ class PolicyModel(nn.Module):
         its router's load-balancing loss over the real tokens, `router_aux_loss` (a float32 scalar)."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
         self.router_logits.clear()
-        hidden = backbone_hidden(self.lm.get_decoder(), input_ids, attention_mask, position_ids, self.packed, host)
-        valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
-        states = hidden[:, -response_len - 1 : -1][valid]
-        labels = input_ids[:, -response_len:][valid]
+        decoder = self.lm.get_decoder()
+        if self.sequence_parallel is not None:
+            args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
+            states, labels, place = sharded_states(decoder, *args)
+        else:
+            hidden = backbone_hidden(decoder, input_ids, attention_mask, position_ids, self.packed, host)
+            valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
+            states = hidden[:, -response_len - 1 : -1][valid]
+            labels = input_ids[:, -response_len:][valid]
+            place = partial(_place, valid, (input_ids.shape[0], response_len))
         head = self.lm.get_output_embeddings()
         log_prob, entropy = token_log_probs(
             states, labels, head.weight, head.bias, temperature, calc_entropy, transform=self.transform
         )
-        # Fresh tensors, not views: FSDP's backward hook on a root output must not be bypassed by a view.
-        zeros = torch.zeros(input_ids.shape[0], response_len, dtype=torch.float32, device=input_ids.device)
-        out = {"log_prob": zeros.index_put(valid, log_prob)}
+        out = {"log_prob": place(log_prob)}
         if calc_entropy:
-            out["entropy"] = zeros.index_put(valid, entropy)
+            out["entropy"] = place(entropy)
         if self.router is not None and torch.is_grad_enabled():
             out["router_aux_loss"] = self._router_aux_loss(host, input_ids.device)
         self.router_logits.clear()
@@ -81,6 +88,12 @@ class PolicyModel(nn.Module):
         return load_balancing_loss(logits, self.router.top_k)
 
 
+def _place(valid: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int], values: torch.Tensor) -> torch.Tensor:
+    """Per-token `values` put at the `valid` positions of `shape` `[batch, response_len]` zeros: a fresh tensor, not a
+    view, so that FSDP's backward hook on a root output is not bypassed."""
+    return torch.zeros(shape, dtype=torch.float32, device=values.device).index_put(valid, values)
+
+
 def _record(records: list[torch.Tensor], index: int, _module, _inputs, output) -> None:
     """A forward hook: append a router's logits `[tokens, experts]` (its output, or item `index` of it) to
     `records`."""
@@ -93,7 +106,7 @@ class ValueModel(nn.Module):
     def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
         disable_dropout(critic)
-        self.critic, self.packed = critic, packs(critic, packed)
+        self.critic, self.packed, self.sequence_parallel = critic, packs(critic, packed), None
         # the head stays reachable only through `critic`: a second reference would duplicate its state-dict keys
         self.head_name = next(
             (n for n in ("score", "classifier") if isinstance(getattr(critic, n, None), nn.Linear)), None
@@ -112,11 +125,16 @@ class ValueModel(nn.Module):
         host_attention_mask: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
+        dropout, head = getattr(self.critic, "dropout", nn.Identity()), getattr(self.critic, self.head_name)
+        if self.sequence_parallel is not None:  # zeros where the token before is padding (the critic masks them)
+            host = attention_mask if host_attention_mask is None else host_attention_mask
+            args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
+            states, _, place = sharded_states(self.critic.base_model, *args, real_only=False)
+            return {"values": place(head(dropout(states))[..., 0])}
         hidden = backbone_hidden(
             self.critic.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
         )
-        states = getattr(self.critic, "dropout", nn.Identity())(hidden[:, -response_len - 1 : -1])
-        values = getattr(self.critic, self.head_name)(states)[..., 0]
+        values = head(dropout(hidden[:, -response_len - 1 : -1]))[..., 0]
         return {"values": values.float().clone()}
 
 

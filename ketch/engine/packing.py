@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ketch.architecture import packing_problem
+from ketch.engine.ulysses import heads_to_tokens, tokens_to_heads
 
 logger = logging.getLogger("ketch.engine")
 
@@ -135,22 +136,29 @@ def packed_attention(
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
     softcap: float | None = None,
+    sequence_parallel_group=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: `query` `[1, heads, T, head_dim]`, `key`/`value` `[1, kv_heads, T,
     head_dim]` -> `[1, T, heads, head_dim]`, causal within each sequence of `cu_seq_lens_q` and, in a layer with a
     `sliding_window`, over that many tokens (the query's own included). Attention logit soft-capping is not
-    supported: `ketch.models.architecture` keeps such models padded."""
+    supported: `ketch.models.architecture` keeps such models padded. With a `sequence_parallel_group`, the inputs
+    hold this rank's slice of the row's tokens and the attention runs over all of them with this rank's share of
+    the heads (`ketch.engine.sequence_parallel`)."""
     if cu_seq_lens_q is None or softcap is not None:
         raise ValueError(
             f"{ATTENTION} attention on {type(module).__name__}: "
             + ("no sequence offsets (call it through backbone_hidden)" if softcap is None else "soft-capped logits")
         )
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
+    if sequence_parallel_group is not None:
+        q, k, v = heads_to_tokens(q, k, v, sequence_parallel_group)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_fits(sliding_window):
         out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling, sliding_window)
     else:
         out = _sdpa_masked(q, k, v, cu_seq_lens_q, scaling, dropout, sliding_window)
+    if sequence_parallel_group is not None:
+        out = tokens_to_heads(out, sequence_parallel_group)
     return out.unsqueeze(0), None
 
 

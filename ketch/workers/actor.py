@@ -78,9 +78,15 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                 gradient_checkpointing=c.model.gradient_checkpointing,
                 compile=compile,
                 activation_offload=c.model.activation_offload,
+                sequence_parallel=c.actor.ulysses_sequence_parallel_size,
             )
             self.ref = (
-                TrainEngine(PolicyModel(self._load(self.dtype), packed), self.device, compile=compile)
+                TrainEngine(
+                    PolicyModel(self._load(self.dtype), packed),
+                    self.device,
+                    compile=compile,
+                    sequence_parallel=c.actor.ulysses_sequence_parallel_size,
+                )
                 if c.use_reference
                 else None
             )
@@ -104,7 +110,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         self.ref = MegatronEngine(*args, dtype=self.dtype, seed=c.trainer.seed) if c.use_reference else None
 
     def dispatch_rank(self) -> tuple[int, bool]:
-        return role_dispatch_rank(self.rank, self.world_size, self.config.actor)
+        a = self.config.actor
+        return role_dispatch_rank(self.rank, self.world_size, a, a.ulysses_sequence_parallel_size)
 
     def _load(self, dtype: torch.dtype) -> torch.nn.Module:
         m = self.config.model

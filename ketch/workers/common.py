@@ -103,10 +103,13 @@ class DeviceMemory:
         return peaks
 
 
-def role_dispatch_rank(rank: int, world_size: int, role: ActorConfig | CriticConfig) -> tuple[int, bool]:
+def role_dispatch_rank(
+    rank: int, world_size: int, role: ActorConfig | CriticConfig, sequence_parallel: int = 1
+) -> tuple[int, bool]:
     """(data-parallel rank, whether this process returns its results) of a process of `role`: under
-    `strategy=megatron` tensor/pipeline peers share a data-parallel rank (see `RankGrid`), else each is its own."""
+    `strategy=megatron` tensor/pipeline peers share a data-parallel rank (see `RankGrid`), so do the
+    `sequence_parallel` consecutive ranks of a sequence-parallel group (the first answers), else each is its own."""
     if role.strategy != "megatron":
-        return rank, True
+        return rank // sequence_parallel, rank % sequence_parallel == 0
     m = role.megatron
     return RankGrid(rank, world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size).dispatch_rank()

@@ -68,10 +68,12 @@ class CriticWorker(DeviceMemory, Worker):
                 m.gradient_checkpointing,
                 compile_enabled(m.use_torch_compile, self.device),
                 activation_offload=m.activation_offload,
+                sequence_parallel=c.actor.ulysses_sequence_parallel_size,
             )
 
     def dispatch_rank(self) -> tuple[int, bool]:
-        return role_dispatch_rank(self.rank, self.world_size, self.config.critic)
+        c = self.config
+        return role_dispatch_rank(self.rank, self.world_size, c.critic, c.actor.ulysses_sequence_parallel_size)
 
     @register(DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
