@@ -179,8 +179,9 @@ def batch_row(config: KetchConfig, train_set: RLHFDataset | None) -> Check:
 
 
 def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) -> Check | None:
-    """What the run keeps on each GPU besides activations, per phase (`ketch/config/memory.py`), against a GPU of
-    `gpu_bytes` (None: none here to compare with); None for a run on CPUs or without a model config."""
+    """What the run keeps on each GPU, per phase, the update's activations for the configured lengths included
+    (`ketch/config/memory.py`), against a GPU of `gpu_bytes` (None: none here to compare with); None for a run on
+    CPUs or without a model config."""
     if model_config is None or not config.uses_gpu(gpu_bytes is not None):
         return None
     parameters = parameter_count(model_config, config.model.trust_remote_code)
@@ -195,7 +196,7 @@ def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) ->
     ]
     gpus = config.num_processes(gpu_visible=True)
     size = f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
-    detail = f"{size} parameters on {gpus} GPU(s), per GPU before activations: " + "; ".join(listed)
+    detail = f"{size} parameters on {gpus} GPU(s), per GPU: " + "; ".join(listed)
     if gpu_bytes is None:
         return Check("GPU memory", "ok", detail + "; no GPU here to compare with")
     most = max(sum(parts.values()) for parts in phases.values())
@@ -206,13 +207,34 @@ def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) ->
 
 
 def _memory_fix(config: KetchConfig) -> str:
-    """The settings that shrink what a run keeps on each GPU, those that are off."""
+    """The settings that shrink what a run keeps on each GPU, those that are off: the state's, then the
+    activations'."""
     roles = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
     switches = [f"{n}.optim.offload=true" for n, r in roles.items() if r.strategy == "fsdp" and not r.optim.offload]
     r = config.rollout
     if r.name == "hf" and r.placement == "hybrid" and not r.free_memory_while_training:
         switches.append("rollout.free_memory_while_training=true")
+    if r.name == "hf" and r.placement == "hybrid" and r.max_num_batched_tokens is None:
+        switches.append("rollout.max_num_batched_tokens (the KV cache's tokens)")
+    switches += _activation_switches(config)
     return " or ".join([*switches, "more GPUs (trainer.n_gpus_per_node, trainer.nnodes)", "Megatron TP/PP"])
+
+
+def _activation_switches(config: KetchConfig) -> list[str]:
+    """The settings that shrink the update's activations, those that are off (FSDP engine)."""
+    m, a = config.model, config.actor
+    if a.strategy != "fsdp":
+        return []
+    switches = ["model.gradient_checkpointing=true"] if not m.gradient_checkpointing else []
+    if not m.activation_offload:
+        switches.append("model.activation_offload=true")
+    if a.use_dynamic_bsz:
+        switches.append(f"a smaller actor.ppo_max_token_len_per_device (now {a.ppo_max_token_len_per_device})")
+    else:
+        switches.append("actor.use_dynamic_bsz=true with actor.ppo_max_token_len_per_device")
+    if config.num_processes(gpu_visible=True) > a.ulysses_sequence_parallel_size:
+        switches.append("actor.ulysses_sequence_parallel_size > 1 (over the GPUs of a node)")
+    return switches
 
 
 def parameter_count(model_config: Any, trust_remote_code: bool) -> int | None:

@@ -180,7 +180,7 @@ def test_the_parallelism_row_checks_megatron_and_rollout_sizes_against_the_model
     row = rows["parallelism"]
     assert row.status == "FAIL" and row.fix == "change the keys named in the detail"
     assert rows["GPU memory"].status == "ok"  # a tiny model (tests/test_memory_estimate.py has real figures)
-    assert rows["GPU memory"].detail.startswith("0.0M parameters on 3 GPU(s), per GPU before activations: update")
+    assert rows["GPU memory"].detail.startswith("0.0M parameters on 3 GPU(s), per GPU: update")
     assert rows["GPU memory"].detail.endswith("; no GPU here to compare with")
     assert row.detail == "; ".join(
         f"actor.megatron.tensor_model_parallel_size=3 does not divide the model's {what}; pick a divisor of it"

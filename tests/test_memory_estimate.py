@@ -1,5 +1,5 @@
-"""What a run keeps on each GPU besides activations (`ketch/config/memory.py`) and `ketch doctor`'s row that
-compares it with the GPU: the figures of the 7B runs on one H200 (docs/benchmarks.md), a critic, a
+"""What a run keeps on each GPU (`ketch/config/memory.py`) and `ketch doctor`'s row that compares it with the GPU:
+the figures of the 7B runs on one H200 (docs/benchmarks.md), activations for the configured lengths, a critic, a
 reference, Megatron and vLLM."""
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ QWEN25_7B = Qwen2Config(
 )
 P = 7_615_616_512
 KV = 128 * (128 + 256) * 28 * 2 * 4 * 128 * 2  # rows x tokens x layers x (keys, values) x heads x head size x bf16
+BLOCK = (8 * 3584 + 4 * 18944) * 2  # a block's activations per token in bf16: 8 x hidden + 4 x intermediate numbers
+LM_HEAD = 3 * 4 * 2**26  # the lm-head pass's chunk: 2^26 logits in three float32 tensors
 FIXED = [  # the fixed GPU workload on one GPU: GRPO, 16 prompts x 8 samples, 128 + 256 tokens
     "trainer.device=cuda",
     "trainer.n_gpus_per_node=1",
@@ -34,34 +36,88 @@ FIXED = [  # the fixed GPU workload on one GPU: GRPO, 16 prompts x 8 samples, 12
 ]
 
 
-def test_the_7b_shape_on_one_gpu_needs_the_offload_and_the_freed_rollout_to_fit_80_gb():
-    """130.3 GiB before activations is over 85% of an H200's memory (the run without the options ran out of
-    memory in its second update) and over an 80 GB GPU's; with AdamW's moments offloaded and the rollout's memory
-    freed while training, 56.7 GiB (that run peaked at 65.9 GiB with its activations, capped at 78.5)."""
+def test_the_7b_shape_on_one_gpu_needs_the_offload_the_freed_rollout_and_recomputation_to_fit_80_gb():
+    """One micro-batch of all 128 sequences (49,152 tokens) keeps 268.5 GiB of activations, and a world of one
+    process its gathered bf16 weights: far over an H200 (the run without options ran out of memory). With AdamW's
+    moments offloaded, the rollout's memory freed while training, recomputation and micro-batches of 4,096 tokens,
+    63.0 GiB (that run peaked at 65.9 GiB, capped at 78.5, with the lm-head chunks of 4,096 tokens then)."""
     assert parameter_count(QWEN25_7B, trust_remote_code=False) == P
     config = load_config(overrides=FIXED)
     parts = gpu_memory_parts(config, QWEN25_7B, P, 140 * GIB)
     rollout = {"rollout weights": 2 * P, "KV cache": KV}
-    assert parts == {"update": {"actor state": 16 * P, **rollout}, "generation": {"actor state": 12 * P, **rollout}}
+    activations = 128 * 384 * 28 * BLOCK + LM_HEAD
+    assert parts == {
+        "update": {"actor state": 16 * P, "activations": activations, "gathered weights": 2 * P, **rollout},
+        "generation": {"actor state": 12 * P, **rollout},
+    }
     row = memory_row(config, QWEN25_7B, 140 * GIB)
-    assert (row.name, row.status) == ("GPU memory", "warn")
+    assert (row.name, row.status) == ("GPU memory", "FAIL")
     assert row.detail == (
-        "7.62B parameters on 1 GPU(s), per GPU before activations: update 130.3 GiB (actor state 113.5, rollout "
-        "weights 14.2, KV cache 2.6); generation 101.9 GiB (actor state 85.1, rollout weights 14.2, KV cache 2.6); "
-        "the GPU has 140.0 GiB"
+        "7.62B parameters on 1 GPU(s), per GPU: update 413.0 GiB (actor state 113.5, activations 268.5, gathered "
+        "weights 14.2, rollout weights 14.2, KV cache 2.6); generation 101.9 GiB (actor state 85.1, rollout weights "
+        "14.2, KV cache 2.6); the GPU has 140.0 GiB"
     )
     assert row.fix == (
-        "actor.optim.offload=true or rollout.free_memory_while_training=true or more GPUs (trainer.n_gpus_per_node, "
+        "actor.optim.offload=true or rollout.free_memory_while_training=true or rollout.max_num_batched_tokens (the KV "
+        "cache's tokens) or model.gradient_checkpointing=true or model.activation_offload=true or "
+        "actor.use_dynamic_bsz=true with actor.ppo_max_token_len_per_device or more GPUs (trainer.n_gpus_per_node, "
         "trainer.nnodes) or Megatron TP/PP"
     )
-    assert memory_row(config, QWEN25_7B, 80 * GIB).status == "FAIL"
 
-    both = load_config(overrides=[*FIXED, "actor.optim.offload=true", "rollout.free_memory_while_training=true"])
+    fitted = [
+        *FIXED,
+        "actor.optim.offload=true",
+        "rollout.free_memory_while_training=true",
+        "model.gradient_checkpointing=true",
+        "actor.use_dynamic_bsz=true",
+        "actor.ppo_max_token_len_per_device=4096",
+    ]
+    both = load_config(overrides=fitted)
     parts = gpu_memory_parts(both, QWEN25_7B, P, 80 * GIB)
-    assert parts == {"update": {"actor state": 8 * P}, "generation": {"actor state": 4 * P, **rollout}}
+    recomputed = 4096 * (6 * BLOCK + 28 * 3584 * 2) + LM_HEAD  # six blocks' worth and every block's input
+    assert parts == {
+        "update": {"actor state": 8 * P, "activations": recomputed},
+        "generation": {"actor state": 4 * P, **rollout},
+    }
     row = memory_row(both, QWEN25_7B, 80 * GIB)
-    assert row.status == "ok" and "update 56.7 GiB (actor state 56.7)" in row.detail
+    assert row.status == "ok" and "update 63.0 GiB (actor state 56.7, activations 6.3)" in row.detail
     assert memory_row(both, QWEN25_7B, None).detail.endswith("; no GPU here to compare with")
+
+
+def test_long_responses_count_their_activations_and_the_settings_that_shrink_them_are_named():
+    """GRPO on the 7B shape with 32k-token responses on one 140 GiB GPU, state offloaded: a micro-batch of one
+    sequence (512 + 32,768 tokens, over the 16,384-token budget, alone) with recomputation keeps 45.8 GiB; the
+    checkpoints in host memory take 0.2 MB a token off; the hf rollout's KV cache for 64 rows of 33,280 tokens
+    (113.8 GiB) shrinks to one sub-batch of rollout.max_num_batched_tokens=133120 (4 rows)."""
+    long = [
+        "trainer.device=cuda",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=16",
+        "rollout.n=4",
+        "data.max_prompt_length=512",
+        "data.max_response_length=32768",
+        "actor.optim.offload=true",
+        "rollout.free_memory_while_training=true",
+        "model.gradient_checkpointing=true",
+        "actor.use_dynamic_bsz=true",
+    ]
+    config = load_config(overrides=long)
+    tokens = 512 + 32768
+    parts = gpu_memory_parts(config, QWEN25_7B, P, 140 * GIB)
+    assert parts["update"]["activations"] == tokens * (6 * BLOCK + 28 * 3584 * 2) + LM_HEAD
+    assert parts["generation"]["KV cache"] == 64 * tokens * 28 * 2 * 4 * 128 * 2
+    row = memory_row(config, QWEN25_7B, 140 * GIB)
+    assert row.status == "FAIL" and "activations 45.8" in row.detail and "KV cache 113.8" in row.detail
+    assert row.fix == (
+        "rollout.max_num_batched_tokens (the KV cache's tokens) or model.activation_offload=true or a smaller "
+        "actor.ppo_max_token_len_per_device (now 16384) or more GPUs (trainer.n_gpus_per_node, trainer.nnodes) or "
+        "Megatron TP/PP"
+    )
+    fitted = load_config(overrides=[*long, "model.activation_offload=true", "rollout.max_num_batched_tokens=133120"])
+    parts = gpu_memory_parts(fitted, QWEN25_7B, P, 140 * GIB)
+    assert parts["update"]["activations"] == tokens * 6 * BLOCK + LM_HEAD
+    assert parts["generation"]["KV cache"] == 4 * tokens * 28 * 2 * 4 * 128 * 2
+    assert memory_row(fitted, QWEN25_7B, 140 * GIB).status == "ok"
     assert memory_row(load_config(overrides=[*FIXED[1:], "trainer.device=cpu"]), QWEN25_7B, None) is None
 
 

@@ -1,20 +1,34 @@
-"""What a run keeps on each of the trainer's GPUs besides activations, by phase: the trained models' state, the
-frozen reference, and the hf rollout's weights and KV cache (or vLLM's share of the GPU). `ketch doctor` compares
-the larger phase with the GPU before a run starts; activations come on top, sized by the micro-batch settings.
+"""What a run keeps on each of the trainer's GPUs, by phase: the trained models' state, the frozen reference, the
+hf rollout's weights and KV cache (or vLLM's share of the GPU), and the activations of one update micro-batch.
+`ketch doctor` compares the larger phase with the GPU before a run starts.
 
 The training state is float32 weights (4 bytes per parameter) and AdamW's two moments (8, none on the GPU with
 `optim.offload`), with float32 gradients (4) during the update only: the FSDP engine frees them after each
 optimizer step. FSDP shards it over every trainer GPU, Megatron over its tensor x pipeline group.
+
+Activations are an estimate for a dense decoder in bf16 (`activation_bytes`): per token and block, about 8 x
+hidden + 4 x intermediate numbers are kept for the backward pass (the block's input, norms, q/k/v, attention
+output, MLP projections and their activation), which came within 20% of the peaks measured on the Qwen2.5-0.5B and
+7B shapes on an H200 (with the gathered bf16 weights a world of one process keeps from forward to backward); with
+recomputation, each block's input (none with `model.activation_offload`) and `RECOMPUTED_BLOCKS` blocks' worth;
+plus the lm-head pass's chunk of logits.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ketch.architecture import attention_shape
+from ketch.architecture import attention_shape, intermediate_size
+from ketch.config.batch import derive_batch_plan
 from ketch.config.schema import KetchConfig
 
 PHASES = ("update", "generation")
+RECOMPUTED_BLOCKS = 6
+"""With recomputation, a block's activations per token times this (the recomputed block, its gradients, what the
+compiled block saves): the 7B shape's peaks at 4,096 and 16,384 tokens per micro-batch differed by 1.45 MB a token."""
+LM_HEAD_BYTES = 3 * 4 * 2**26
+"""The lm-head pass's chunk on a GPU: 2^26 logits (`ketch.engine.log_probs.LOGIT_ELEMENTS`) in about three float32
+tensors at a time (the fused kernels' inputs, outputs and the gradient)."""
 
 
 def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes: int) -> dict[str, dict[str, int]]:
@@ -40,18 +54,44 @@ def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes
     if r.name == "vllm":
         parts["generation"]["vLLM (rollout.gpu_memory_utilization)"] = int(r.gpu_memory_utilization * gpu_bytes)
         return parts
+    parts["update"]["activations"] = activation_bytes(config, model)
+    if gpus == 1 and config.actor.strategy == "fsdp" and not config.model.gradient_checkpointing:
+        parts["update"]["gathered weights"] = parameters * frozen  # kept from the forward to the backward pass
     rollout = {"rollout weights": parameters * frozen // r.tensor_parallel_size, "KV cache": _kv_bytes(config, model)}
     for phase in PHASES if not r.free_memory_while_training else ("generation",):
         parts[phase].update(rollout)
     return parts
 
 
+def activation_bytes(config: KetchConfig, model: Any) -> int:
+    """The activations of one actor update micro-batch on one GPU (see the module's docstring): its tokens (a token
+    budget, or the micro-batch's sequences of data.max_prompt_length + data.max_response_length tokens; a sequence
+    longer than the budget alone), shared over the sequence-parallel ranks."""
+    d, a, m = config.data, config.actor, config.model
+    sequence = d.max_prompt_length + d.max_response_length
+    if a.use_dynamic_bsz:
+        tokens = max(a.ppo_max_token_len_per_device, sequence)
+    else:
+        plan = derive_batch_plan(config, world_size=config.world_size(gpu_visible=True))
+        tokens = plan.actor.micro_batch_per_device * sequence
+    tokens = -(-tokens // a.ulysses_sequence_parallel_size)
+    width = _frozen_bytes(config)
+    block = (8 * model.hidden_size + 4 * intermediate_size(model)) * width
+    if not m.gradient_checkpointing:
+        return tokens * model.num_hidden_layers * block + LM_HEAD_BYTES
+    checkpoints = 0 if m.activation_offload else model.num_hidden_layers * model.hidden_size * width
+    return tokens * (RECOMPUTED_BLOCKS * block + checkpoints) + LM_HEAD_BYTES
+
+
 def _kv_bytes(config: KetchConfig, model: Any) -> int:
-    """The hf rollout's KV cache on one GPU: its tensor-parallel group's share of the step's sequences, each of
-    up to data.max_prompt_length + data.max_response_length tokens, keys and values in every layer."""
+    """The hf rollout's KV cache on one GPU: its tensor-parallel group's share of the step's sequences (at most
+    the rows that rollout.max_num_batched_tokens holds), each of up to data.max_prompt_length +
+    data.max_response_length tokens, keys and values in every layer."""
     d, r = config.data, config.rollout
     groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
     rows = -(-d.train_batch_size * r.n // groups)
+    if r.max_num_batched_tokens is not None:
+        rows = min(rows, max(1, r.max_num_batched_tokens // (d.max_prompt_length + d.max_response_length)))
     shape = attention_shape(model)
     per_token = model.num_hidden_layers * 2 * max(1, shape.kv_heads // r.tensor_parallel_size) * shape.head_dim
     return rows * (d.max_prompt_length + d.max_response_length) * per_token * _frozen_bytes(config)
