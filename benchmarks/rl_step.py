@@ -6,9 +6,13 @@ critic, 16 prompts x 8 samples per step, prompts of 128 tokens, responses of exa
 per GPU). `--variant ppo` runs the same with a critic, GAE and a KL penalty to a reference policy.
 `--scale small` is a scaled-down copy that runs on a CPU; `--scale 1.5b`, `3b` and `7b` are Qwen2.5's larger shapes
 (their random weights drawn in bf16 on the GPU), with update micro-batches sized for one H200.
-`--workload variable` lets responses stop: one token id in `STOP_EVERY` is a stop token (about one stop
-per `STOP_EVERY` sampled tokens on a random model, so lengths spread over the whole range) and the reward
-pays for stopping early.
+`--workload variable` lets responses stop: one token id in `stop_every` is a stop token (about one stop
+per `stop_every` sampled tokens on a random model: lengths spread geometrically, a long tail up to the limit, as a
+reasoning model's do) and the reward pays for stopping early; `stop_every` is `STOP_EVERY`, or a quarter of the
+response length for longer ones (a mean of about a quarter, 2% of the responses at the limit).
+`--response-length N` sets the responses' length (the limit, for `variable`), e.g. 8192 to 32768 for long
+reasoning responses: with `--prompts 16 --n 4` and `model.gradient_checkpointing=true`, one H200 (see the issue's
+commands in docs/benchmarks.md).
 
     PYTHONPATH=. python3 benchmarks/rl_step.py --variant grpo --warmup 2 --steps 5 --out results/x.json
 
@@ -146,8 +150,9 @@ def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tupl
     """The random bf16 model of scale `s` (`random_model`) with its tokenizer, and `steps` batches of prompts
     under `root`; returns the model directory and the prompts' Parquet file."""
     tokenizer = word_tokenizer(s["vocab"])
+    positions = max(4096, s["prompt_len"] + s["response_len"])
     config = qwen2_config(
-        s, max_position_embeddings=4096, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1
+        s, max_position_embeddings=positions, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1
     )
     random_model(config, matmul_parameters(s), device).save_pretrained(root / "model")
     if device == "cuda":
@@ -210,7 +215,7 @@ def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> 
         f"data.max_response_length={s['response_len']}",
         f"data.train_batch_size={s['prompts']}",
         f"rollout.n={s['n']}",
-        *workload_overrides(args.workload, s["vocab"]),
+        *workload_overrides(args.workload, s["vocab"], s["response_len"]),
         "model.dtype=bfloat16" if device == "cuda" else "model.dtype=float32",
         f"trainer.device={device}",
         "actor.optim.lr=1e-6",
@@ -233,16 +238,27 @@ def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> 
     return [*common, "algorithm.adv_estimator=grpo"]
 
 
-def workload_overrides(workload: str, vocab: int) -> list[str]:
-    """`fixed`: every response runs to the full length; `variable`: one id in STOP_EVERY stops a response."""
+def workload_overrides(workload: str, vocab: int, response_len: int = 256) -> list[str]:
+    """`fixed`: every response runs to the full length; `variable`: one id in `stop_every(response_len)` stops a
+    response."""
     if workload == "fixed":
         return ["rollout.ignore_eos=true"]
-    stops = ",".join(str(i) for i in range(3, vocab, STOP_EVERY))
+    stops = ",".join(str(i) for i in range(3, vocab, stop_every(response_len)))
     return ["rollout.ignore_eos=false", f"rollout.stop_token_ids=[{stops}]"]
 
 
+def stop_every(response_len: int) -> int:
+    """One stop token id in this many: STOP_EVERY, or a quarter of a longer response length (a mean response of
+    about a quarter of the limit on a random model, geometric: e^-4 = 2% reach the limit)."""
+    return max(STOP_EVERY, response_len // 4)
+
+
 def run(args) -> dict:
-    s = SCALES[args.scale] | ({"prompts": args.prompts} if args.prompts else {})
+    s = SCALES[args.scale] | {
+        key: value
+        for key, value in (("prompts", args.prompts), ("n", args.n), ("response_len", args.response_length))
+        if value
+    }
     root = Path(tempfile.mkdtemp(prefix="ketch-rl-step-"))
     total = args.warmup + args.steps
     model, data = build_workload(root, s, total, args.device)
@@ -445,6 +461,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "variant": args.variant,
         "workload": args.workload,
         "scale": args.scale,
+        "response_length": s["response_len"],
         "devices": devices,
         "overrides": args.set,
         "memory_cap_gib": args.memory_cap_gib,
@@ -489,6 +506,8 @@ def main() -> None:
     parser.add_argument(
         "--prompts", type=int, help="prompts per step (and per mini-batch), e.g. 32 on two GPUs for weak scaling"
     )
+    parser.add_argument("--n", type=int, help="samples per prompt (default: the scale's, 8)")
+    parser.add_argument("--response-length", type=int, help="tokens per response (the limit with --workload variable)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)

@@ -62,6 +62,9 @@ def test_variable_workload_stops_on_one_token_id_in_stop_every(rl_step):
     ignore, stops = rl_step.workload_overrides("variable", 300)
     assert ignore == "rollout.ignore_eos=false"
     assert stops == "rollout.stop_token_ids=[3,131,259]"
+    # 32k-token reasoning responses: one id in 8,192, so about one stop per 8,192 sampled tokens
+    assert rl_step.stop_every(32768) == 8192 and rl_step.stop_every(256) == 128
+    assert rl_step.workload_overrides("variable", 20000, 32768)[1] == "rollout.stop_token_ids=[3,8195,16387]"
 
 
 def test_the_first_step_profile_lists_the_functions_that_ran_by_cumulative_and_own_time(rl_step, tmp_path):
