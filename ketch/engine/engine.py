@@ -24,6 +24,7 @@ from ketch.compiled import SavedCompile, saved_compile
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.log_probs import load_kernels
+from ketch.engine.lora import lora_layers, merged
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler, step_unless
 from ketch.protocol import DataProto
@@ -124,7 +125,8 @@ def _hf_model(module: nn.Module) -> nn.Module:
 
 
 class TrainEngine:
-    """An FSDP2-sharded module with (optionally) AdamW and an lr schedule."""
+    """An FSDP2-sharded module with (optionally) AdamW and an lr schedule. AdamW trains the parameters that take
+    gradients: all of them, or a model's LoRA adapters (`ketch.engine.lora`) and whatever else is left trainable."""
 
     def __init__(
         self,
@@ -147,11 +149,13 @@ class TrainEngine:
         load_kernels(device)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.optim_config = optim
+        self.lora_layers = lora_layers(self.module)
         if optim is None:
             self.module.requires_grad_(False)
             self.optimizer = self.scheduler = None
         else:
-            self.optimizer = build_optimizer(self.module.parameters(), optim, device)
+            trained = [p for p in self.module.parameters() if p.requires_grad]
+            self.optimizer = build_optimizer(trained, optim, device)
             self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
 
     # ----------------------------------------------------------------- inference
@@ -218,7 +222,8 @@ class TrainEngine:
     def full_parameters(self, prefix: str = "", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter, names relative to the submodule `prefix` (e.g. `lm.` for the
         wrapped HF model). Tied parameters come under each of their names (some engines, like vLLM's CPU build,
-        need `lm_head.weight` spelled out).
+        need `lm_head.weight` spelled out). LoRA adapters come merged into their layers' weights, under the plain
+        model's names (`ketch.engine.lora.merged`).
 
         Without mixed precision, or in its `param_dtype` (the rollout's dtype), the weights come one FSDP unit (a
         transformer block, then the root's own parameters) at a time, with one all-gather per unit in the dtype
@@ -226,14 +231,26 @@ class TrainEngine:
         them clones them. The float32 master weights of a mixed-precision engine (`dtype` None or float32) are
         gathered one parameter at a time."""
         if self.param_dtype is not None and dtype != self.param_dtype:
-            yield from self._gathered_one_by_one(prefix, dtype)
-            return
+            named = self._gathered_one_by_one(dtype)
+        else:
+            named = self._gathered_by_unit(dtype)
+        for name, tensor in merged(named, self.lora_layers):
+            yield name.removeprefix(prefix), tensor
+
+    def trained_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of each parameter that takes gradients (a model's LoRA adapters and a head trained
+        with them), one `full_tensor()` each: every rank must draw them all."""
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                yield name, (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+    def _gathered_by_unit(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         for unit, names in self._fsdp_units():
             unit.unshard()
             try:
                 for name in names:
                     tensor = self.module.get_parameter(name).detach()
-                    yield name.removeprefix(prefix), tensor.to(dtype or tensor.dtype)
+                    yield name, tensor.to(dtype or tensor.dtype)
             finally:
                 unit.reshard()
 
@@ -246,7 +263,7 @@ class TrainEngine:
             names[owner].append(name)
         return [(units[path], names[path]) for path in units if names[path]]
 
-    def _gathered_one_by_one(self, prefix: str, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _gathered_one_by_one(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         """`full_parameters` one `full_tensor()` per parameter, cast to `dtype`: tensors of their own."""
         named = list(self.module.named_parameters(remove_duplicate=False))
         counts = Counter(id(param) for _, param in named)
@@ -258,4 +275,4 @@ class TrainEngine:
                 tensor = full.detach().to(dtype or full.dtype)
                 if counts[id(param)] > 1:
                     tied[id(param)] = tensor
-            yield name.removeprefix(prefix), tensor
+            yield name, tensor

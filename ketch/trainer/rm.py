@@ -11,7 +11,8 @@ from ketch.algorithms import bradley_terry_loss, pairwise_accuracy
 from ketch.config import ConfigError, KetchConfig, to_dict
 from ketch.data import PreferenceDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
-from ketch.models import load_tokenizer
+from ketch.engine.lora import check_lora
+from ketch.models import load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.tracking import Tracker, info
@@ -40,6 +41,9 @@ class RMTrainer:
         preflight(c)  # an unwritable output or cache directory, or a missing vLLM, stops the run before any model loads
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
+        if c.reward.model.lora.enabled:
+            model_config = load_model_config(self.model_path, c.model.trust_remote_code)
+            check_lora("reward.model.lora", c.reward.model.lora, model_config, c.model.trust_remote_code)
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
