@@ -72,11 +72,14 @@ def _targets(target_modules: str | list[str]) -> str | list[str]:
     return "all-linear" if names == ["all-linear"] else names
 
 
-def add_lora(model: nn.Module, settings: LoraConfig, head: str | None = None) -> nn.Module:
-    """Give the HF `model` LoRA adapters in place (fresh ones, or those at `settings.adapter_path`) and freeze every
-    other parameter except the submodule `head` (a value or score head, trained whole). The adapters and the head
-    are float32 (the training master weights) whatever the base's dtype. Returns `model`."""
-    peft.inject_adapter_in_model(peft_config(settings, head), model, adapter_name=ADAPTER)
+def add_lora(model: nn.Module, settings: LoraConfig, head: str | None = None, seed: int = 0) -> nn.Module:
+    """Give the HF `model` LoRA adapters in place (fresh ones drawn with `seed`, or those at
+    `settings.adapter_path`) and freeze every other parameter except the submodule `head` (a value or score head,
+    trained whole). The adapters and the head are float32 (the training master weights) whatever the base's dtype.
+    Returns `model`. Every rank draws the same adapters, so that they do not depend on the number of ranks."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft.inject_adapter_in_model(peft_config(settings, head), model, adapter_name=ADAPTER)
     if settings.adapter_path is not None:
         _load_adapter(model, Path(settings.adapter_path))
     for param in model.parameters():
@@ -203,7 +206,7 @@ def check_lora(key: str, settings: LoraConfig, hf_config, trust_remote_code: boo
     `hf_config`: a target module that names none of its linear layers (the message lists them), or an adapter
     directory that is missing, not LoRA, DoRA, or of another rank than `key.rank`. Builds the model on the meta
     device only (no weights)."""
-    targets = settings.target_modules
+    targets = _targets(settings.target_modules)
     if settings.adapter_path is not None:
         saved = _saved_config(key, Path(settings.adapter_path))
         if settings.rank and settings.rank != saved.r:
@@ -212,13 +215,12 @@ def check_lora(key: str, settings: LoraConfig, hf_config, trust_remote_code: boo
                 f"{key}.rank={saved.r} or 0 (the adapter's own)"
             )
         targets = saved.target_modules
-        if isinstance(targets, set | tuple):
-            targets = sorted(targets)
-    names = linear_layers(hf_config, trust_remote_code)
-    if _targets(targets) == "all-linear":
+        if isinstance(targets, str) and targets != "all-linear":  # PEFT's regular expression over module paths
+            return
+        targets = _targets(sorted(targets) if isinstance(targets, set | tuple) else targets)
+    if targets == "all-linear":
         return
-    if isinstance(targets, str):
-        raise ConfigError(f"{key}: the adapter's target_modules is a pattern ({targets!r}); ketch takes names")
+    names = linear_layers(hf_config, trust_remote_code)
     leaves = sorted({name.rpartition(".")[2] for name in names})
     for target in targets:
         if not any(name == target or name.endswith(f".{target}") for name in names):

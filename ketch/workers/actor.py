@@ -74,7 +74,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             # a frozen base stays in model.dtype: it needs no float32 master weights
             policy = PolicyModel(self._load(self.dtype if lora.enabled else torch.float32), packed)
             if lora.enabled:  # after the head turned the model's dropout off: the adapters' own stays
-                add_lora(policy.lm, lora)
+                add_lora(policy.lm, lora, seed=c.trainer.seed)
             self.actor = TrainEngine(
                 policy,
                 self.device,

@@ -62,7 +62,7 @@ class CriticWorker(DeviceMemory, Worker):
             value_model = ValueModel(critic, packing_enabled(m.use_remove_padding, self.device))
             if c.critic.lora.enabled:  # the value head trains whole beside the adapters
                 self.head = value_model.head_name
-                add_lora(critic, c.critic.lora, self.head)
+                add_lora(critic, c.critic.lora, self.head, c.trainer.seed)
             self.critic = TrainEngine(
                 value_model,
                 self.device,

@@ -68,7 +68,7 @@ class RewardModelWorker(DeviceMemory, Worker):
         checkpointing = training and m.gradient_checkpointing
         head = ScoreModel(model, packing_enabled(m.use_remove_padding, self.device))
         if self.lora is not None:  # the score head trains whole beside the adapters
-            add_lora(model, self.lora, HEAD)
+            add_lora(model, self.lora, HEAD, c.trainer.seed)
         compile = compile_enabled(m.use_torch_compile, self.device)
         self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing, compile)
         self.actor_tokenizer = self._actor_tokenizer_if_needed()
