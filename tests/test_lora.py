@@ -106,8 +106,8 @@ def _train_adapters(rank: int, world: int, port: int, model_dir: str, out: str) 
         adapters = {name: tensor.clone() for name, tensor in lora.trained_parameters()}
         changed = {name for name, tensor in full(lora).items() if not torch.equal(tensor, before[name])}
         assert changed == set(adapters) and {t.dtype for t in adapters.values()} == {torch.float32}, dtype
-        merged = dict(lora.full_parameters(prefix="lm.", dtype=dtype))  # the hand-off's plain names and dtype
-        assert "model.layers.0.self_attn.q_proj.weight" in merged and {t.dtype for t in merged.values()} == {dtype}
+        handed = {name: tensor.dtype for name, tensor in lora.full_parameters(prefix="lm.", dtype=dtype)}
+        assert "model.layers.0.self_attn.q_proj.weight" in handed and set(handed.values()) == {dtype}  # plain names
         if rank == 0 and dtype == torch.float32:
             torch.save(adapters, out)
     end_rank()
