@@ -8,7 +8,10 @@ per GPU). `--variant ppo` runs the same with a critic, GAE and a KL penalty to a
 (their random weights drawn in bf16 on the GPU), with update micro-batches sized for one H200.
 `--workload variable` lets responses stop: one token id in `STOP_EVERY` is a stop token (about one stop
 per `STOP_EVERY` sampled tokens on a random model, so lengths spread over the whole range) and the reward
-pays for stopping early.
+pays for stopping early. `--lora-rank 64` trains LoRA adapters of that rank on every linear layer
+(`actor.lora`, and `critic.lora` with `--variant ppo`) instead of the whole model, the base kept in the rollout's
+dtype; the reference is then the actor with its adapters off, and the update's MFU counts 4 x parameters x tokens
+(forward and the activations' gradients; the frozen weights take none).
 
     PYTHONPATH=. python3 benchmarks/rl_step.py --variant grpo --warmup 2 --steps 5 --out results/x.json
 
@@ -228,6 +231,9 @@ def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> 
         f"trainer.total_steps={steps}",
         f"trainer.default_local_dir={out}",
     ]
+    if args.lora_rank:
+        common += [f"actor.lora.rank={args.lora_rank}", "actor.optim.lr=1e-5"]
+        common += [f"critic.lora.rank={args.lora_rank}"] if variant == "ppo" else []
     if variant == "ppo":
         return [*common, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "critic.optim.lr=1e-5"]
     return [*common, "algorithm.adv_estimator=grpo"]
@@ -447,6 +453,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "scale": args.scale,
         "devices": devices,
         "overrides": args.set,
+        "lora_rank": args.lora_rank,
         "memory_cap_gib": args.memory_cap_gib,
         "steps_timed": len(records),
         "sequences_per_step": rows,
@@ -459,7 +466,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "parameters": params,
     }
     if args.device == "cuda":
-        flops = [6 * params * t for t in tokens]
+        flops = [(4 if args.lora_rank else 6) * params * t for t in tokens]
         result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * train_devices)
     return result
 
@@ -490,6 +497,7 @@ def main() -> None:
         "--prompts", type=int, help="prompts per step (and per mini-batch), e.g. 32 on two GPUs for weak scaling"
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(
