@@ -3,7 +3,7 @@
 PEFT wraps each chosen linear layer in place: its weight moves to `<layer>.base_layer.weight` (frozen) beside
 `<layer>.lora_A.default.weight` `[rank, in]` and `<layer>.lora_B.default.weight` `[out, rank]` (B starts at zero,
 so a fresh adapter changes nothing); the layer computes W x + scaling * B A x. Every other parameter is frozen but
-a value or score head, which is new and trains whole. The engine shards the frozen base with FSDP2 like any
+a value or score head, which trains whole. The engine shards the frozen base with FSDP2 like any
 weight; only the adapters (and the head) take gradients, AdamW's moments and checkpoint space.
 
 Out of the engine, weights go merged (`merged`): W + scaling * B A under the plain model's names, so the rollout,
@@ -48,6 +48,8 @@ def peft_config(settings: LoraConfig, head: str | None = None) -> peft.LoraConfi
     if settings.adapter_path is not None:
         config = _saved(settings.adapter_path)
         config.lora_dropout = settings.dropout
+        if head and not isinstance(config.exclude_modules, str):  # a policy's adapter may start a critic
+            config.exclude_modules = sorted(set(config.exclude_modules or ()) | {head})
         return config
     return peft.LoraConfig(
         r=settings.rank,
@@ -100,10 +102,11 @@ def _load_adapter(model: nn.Module, directory: Path) -> None:
     params = dict(model.named_parameters())
     unknown = sorted(set(state) - set(params))
     missing = sorted(n for n in params if ".lora_" in n and n not in state)
-    if unknown or missing:
+    wrong = sorted(n for n in set(state) & set(params) if state[n].shape != params[n].shape)
+    if unknown or missing or wrong:
         raise ValueError(
             f"the adapter at {directory} does not fit the model: weights the model lacks {unknown[:3]}, adapter "
-            f"weights the file lacks {missing[:3]}; was it trained on this base model?"
+            f"weights the file lacks {missing[:3]}, of other shapes {wrong[:3]}; was it trained on this base model?"
         )
     model.load_state_dict(state, strict=False)
 
@@ -208,7 +211,7 @@ def check_lora(key: str, settings: LoraConfig, hf_config, trust_remote_code: boo
     device only (no weights)."""
     targets = _targets(settings.target_modules)
     if settings.adapter_path is not None:
-        saved = _saved_config(key, Path(settings.adapter_path))
+        saved = _checked_adapter_config(key, Path(settings.adapter_path))
         if settings.rank and settings.rank != saved.r:
             raise ConfigError(
                 f"{key}.rank={settings.rank} but the adapter at {key}.adapter_path has rank {saved.r}; set "
@@ -225,12 +228,12 @@ def check_lora(key: str, settings: LoraConfig, hf_config, trust_remote_code: boo
     for target in targets:
         if not any(name == target or name.endswith(f".{target}") for name in names):
             raise ConfigError(
-                f"{key}.target_modules names {target!r}, which is no linear layer of {type_name(hf_config)}; its "
+                f"{key}.target_modules names {target!r}, which is no linear layer of {_model_name(hf_config)}; its "
                 f"linear layers are {', '.join(leaves)} (or use all-linear)"
             )
 
 
-def _saved_config(key: str, directory: Path) -> peft.LoraConfig:
+def _checked_adapter_config(key: str, directory: Path) -> peft.LoraConfig:
     if not (directory / ADAPTER_CONFIG).is_file():
         raise ConfigError(
             f"{key}.adapter_path={directory} has no {ADAPTER_CONFIG}; give a PEFT adapter directory (a run's "
@@ -256,5 +259,5 @@ def linear_layers(hf_config, trust_remote_code: bool = False) -> list[str]:
     ]
 
 
-def type_name(hf_config) -> str:
+def _model_name(hf_config) -> str:
     return (hf_config.architectures or [hf_config.model_type])[0]
