@@ -13,6 +13,10 @@ response length for longer ones (a mean of about a quarter, 2% of the responses 
 `--response-length N` sets the responses' length (the limit, for `variable`), e.g. 8192 to 32768 for long
 reasoning responses: with `--prompts 16 --n 4` and `model.gradient_checkpointing=true`, one H200 (see the issue's
 commands in docs/benchmarks.md).
+`--lora-rank 64` trains LoRA adapters of that rank on every linear layer (`actor.lora`, and `critic.lora` with
+`--variant ppo`) instead of the whole model, the base kept in the rollout's dtype; the reference is then the actor
+with its adapters off, and the update's MFU counts 4 x parameters x tokens (forward and the activations' gradients;
+the frozen weights take none).
 
     PYTHONPATH=. python3 benchmarks/rl_step.py --variant grpo --warmup 2 --steps 5 --out results/x.json
 
@@ -233,6 +237,9 @@ def overrides(s: dict, model: Path, data: Path, args, steps: int, out: Path) -> 
         f"trainer.total_steps={steps}",
         f"trainer.default_local_dir={out}",
     ]
+    if args.lora_rank:
+        common += [f"actor.lora.rank={args.lora_rank}", "actor.optim.lr=1e-5"]
+        common += [f"critic.lora.rank={args.lora_rank}"] if variant == "ppo" else []
     if variant == "ppo":
         return [*common, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "critic.optim.lr=1e-5"]
     return [*common, "algorithm.adv_estimator=grpo"]
@@ -464,6 +471,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "response_length": s["response_len"],
         "devices": devices,
         "overrides": args.set,
+        "lora_rank": args.lora_rank,
         "memory_cap_gib": args.memory_cap_gib,
         "steps_timed": len(records),
         "sequences_per_step": rows,
@@ -476,7 +484,7 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "parameters": params,
     }
     if args.device == "cuda":
-        flops = [6 * params * t for t in tokens]
+        flops = [(4 if args.lora_rank else 6) * params * t for t in tokens]
         result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * train_devices)
     return result
 
@@ -509,6 +517,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, help="samples per prompt (default: the scale's, 8)")
     parser.add_argument("--response-length", type=int, help="tokens per response (the limit with --workload variable)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument(

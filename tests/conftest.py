@@ -15,7 +15,8 @@ from transformers import PreTrainedTokenizerFast
 
 from ketch.config import load_config
 from ketch.data import build_char_tokenizer
-from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task
+from ketch.data.builtin.arithmetic import ArithmeticTask, write_arithmetic_task, write_rows_atomic
+from ketch.data.builtin.preference import PreferenceTask, generate_preference_task
 from ketch.models import load_reward_model, quiet_transformers, save_tiny_model
 from ketch.models.gguf import cached_gguf_model
 from ketch.trainer.ppo import PPOTrainer
@@ -44,6 +45,18 @@ def task_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """train/val Parquet files of a small arithmetic task."""
     task = ArithmeticTask(max_digits=2, num_train=256, num_val=16, seed=3)
     return write_arithmetic_task(tmp_path_factory.mktemp("task"), task)
+
+
+@pytest.fixture(scope="session")
+def preference_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """train/val Parquet files of preference pairs on a small arithmetic task (`ketch rm`)."""
+    task = PreferenceTask(task=ArithmeticTask(num_train=64, num_val=16, seed=3), pairs_per_problem=1)
+    out = tmp_path_factory.mktemp("preference")
+    splits = generate_preference_task(task)
+    paths = {split: out / f"{split}.parquet" for split in ("train", "val")}
+    for split, path in paths.items():
+        write_rows_atomic(splits[split], path)
+    return paths
 
 
 @pytest.fixture

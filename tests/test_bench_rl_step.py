@@ -31,7 +31,9 @@ def record(step: float, gen: float, update: float, tokens: int, mean_response: f
 
 def test_throughputs_come_from_each_steps_real_tokens_and_mfu_from_every_gpu(rl_step):
     records = [record(4.0, 2.0, 1.0, 1000, 50.0), record(5.0, 3.0, 1.5, 1500, 60.0)]
-    args = Namespace(variant="grpo", workload="variable", scale="small", device="cuda", set=[], memory_cap_gib=None)
+    args = Namespace(
+        variant="grpo", workload="variable", scale="small", device="cuda", set=[], memory_cap_gib=None, lora_rank=0
+    )
     config = load_config(overrides=["trainer.device=cuda", "trainer.n_gpus_per_node=2"])
     result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, config=config)
     assert result["tokens_per_step"] == 1250  # median of 1000 and 1500
@@ -48,13 +50,27 @@ def test_throughputs_come_from_each_steps_real_tokens_and_mfu_from_every_gpu(rl_
 
 def test_a_generation_started_ahead_is_outside_the_step_and_mfu_counts_the_actors_gpus_only(rl_step):
     records = [record(4.0, 2.0, 1.0, 1000, 50.0) | {"timing_s/wait_gen": 0.3}]
-    args = Namespace(variant="grpo", workload="fixed", scale="small", device="cuda", set=[], memory_cap_gib=None)
+    args = Namespace(
+        variant="grpo", workload="fixed", scale="small", device="cuda", set=[], memory_cap_gib=None, lora_rank=0
+    )
     overrides = ["trainer.device=cuda", "rollout.placement=standalone", "rollout.staleness=1"]
     result = rl_step.summarize(records, rl_step.SCALES["small"], args, rows=10, config=load_config(overrides=overrides))
     assert result["devices"] == 2  # one GPU for the actor, one for the rollout
     # the step less adv, the update, the wait for the generation and the standalone weight hand-off
     assert result["seconds"]["overhead"] == pytest.approx(4.0 - (0.1 + 1.0 + 0.3 + 0.2))
     assert result["update_mfu"] == pytest.approx(6 * 753_664 * 1000 / (1 * 989e12))
+
+
+def test_lora_trains_adapters_and_its_mfu_counts_no_weight_gradients(rl_step, tmp_path):
+    args = Namespace(
+        variant="ppo", workload="fixed", scale="small", device="cuda", set=[], memory_cap_gib=None, lora_rank=64
+    )
+    given = rl_step.overrides(rl_step.SCALES["small"], tmp_path / "model", tmp_path / "data", args, 2, tmp_path)
+    assert {"actor.lora.rank=64", "critic.lora.rank=64", "actor.optim.lr=1e-5"} <= set(given)
+    config = load_config(overrides=["trainer.device=cuda"])
+    result = rl_step.summarize([record(4.0, 2.0, 1.0, 1000, 50.0)], rl_step.SCALES["small"], args, 10, config)
+    # the forward and the activations' gradients: 4 x 753,664 parameters x 1000 tokens per 1.0 s on one GPU
+    assert result["lora_rank"] == 64 and result["update_mfu"] == pytest.approx(4 * 753_664 * 1000 / 989e12)
 
 
 def test_variable_workload_stops_on_one_token_id_in_stop_every(rl_step):

@@ -53,12 +53,18 @@ def break_after(monkeypatch, steps: int) -> None:
 
 @pytest.mark.parametrize(
     "extra",
-    [["actor.optim.offload=true", "critic.optim.offload=true"], ["data.max_samples=16"]],
-    ids=["mid-epoch-moments-in-host-buffers", "epoch-boundary"],
+    [
+        ["actor.optim.offload=true", "critic.optim.offload=true"],
+        ["data.max_samples=16"],
+        ["actor.lora.rank=4", "critic.lora.rank=4", "actor.optim.lr=0.01"],
+    ],
+    ids=["mid-epoch-moments-in-host-buffers", "epoch-boundary", "mid-epoch-lora-adapters"],
 )
 def test_resume_continues_exactly_where_the_run_broke(tiny_config, monkeypatch, extra):
     # 16 prompts in batches of 8: the break after step 2 falls on the epoch boundary. The first case keeps
-    # AdamW's moments in host buffers (OffloadedAdamW), so its checkpoints hold DTensors over host shards.
+    # AdamW's moments in host buffers (OffloadedAdamW), so its checkpoints hold DTensors over host shards. The last
+    # trains LoRA adapters (and the critic's head beside them): its checkpoints hold those and their moments alone,
+    # and its reference (KL in the reward) is the actor with its adapters off.
     config = tiny_config("trainer.total_steps=4", "trainer.save_freq=2", "algorithm.use_kl_in_reward=true", *extra)
     unbroken = PPOTrainer(config)
     unbroken_prompts = PromptLog(unbroken)

@@ -18,8 +18,6 @@ from ketch.config import ConfigError, load_config
 from ketch.controller import LocalWorkerGroup
 from ketch.data import build_char_tokenizer, format_prompt
 from ketch.data.batching import pad
-from ketch.data.builtin.arithmetic import ArithmeticTask, write_rows_atomic
-from ketch.data.builtin.preference import PreferenceTask, generate_preference_task
 from ketch.models import load_tokenizer
 from ketch.protocol import DataProto
 from ketch.rollout.base import assemble_sequences, response_mask_from_stops
@@ -28,17 +26,6 @@ from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.rm import RMTrainer
 from ketch.workers import RewardModelWorker
-
-
-@pytest.fixture(scope="session")
-def preference_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    task = PreferenceTask(task=ArithmeticTask(num_train=64, num_val=16, seed=3), pairs_per_problem=1)
-    out = tmp_path_factory.mktemp("preference")
-    splits = generate_preference_task(task)
-    paths = {split: out / f"{split}.parquet" for split in ("train", "val")}
-    for split, path in paths.items():
-        write_rows_atomic(splits[split], path)
-    return paths
 
 
 def rm_config(tiny_config, preference_files, *overrides: str):

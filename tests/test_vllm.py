@@ -42,6 +42,7 @@ def small_kv_cache():
         yield
 
 
+CPU = torch.device("cpu")
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
 """A 2-layer Qwen2 with 32-wide heads (vLLM's CPU attention kernels need head_dim >= 32)."""
 
@@ -74,6 +75,39 @@ def test_a_generation_config_eos_the_tokenizer_does_not_name_ends_vllm_responses
             stopped += 1
         assert (row[length:] == 0).all(), "nothing after the stop token"
     assert stopped > 0, "no response said #"
+
+
+def test_vllm_decodes_a_lora_actors_merged_weights_like_the_hf_rollout(vllm_model_dir, task_files):
+    # Runs before the shared engine starts, and frees its own. The actor trains rank-8 adapters; each hand-off
+    # gives vLLM the weights with the adapters merged in (`ketch.engine.lora.merged`).
+    overrides = [f"model.path={vllm_model_dir}", f"data.train_files=[{task_files['train']}]", "trainer.device=cpu"]
+    overrides += ["data.train_batch_size=8", "data.max_response_length=12", "actor.lora.rank=8", "actor.optim.lr=0.05"]
+    config = load_config(overrides=[*overrides, "rollout.name=vllm", "rollout.check_weight_sync=true"])
+    group = LocalWorkerGroup(ActorRolloutRefWorker, config, config.model.path, derive_batch_plan(config), 10)
+    group.init_model()
+    try:
+        batch = prompts(config)
+        data = group.generate_sequences(batch)
+        shape = data.batch["response_mask"].shape
+        data.batch["advantages"] = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        group.update_actor(data)  # the hand-off runs with rollout.check_weight_sync=true: norms compared
+        batch.meta_info["do_sample"] = False
+        greedy = group.generate_sequences(batch).batch
+        merged = {name: tensor.clone() for name, tensor in group.worker.actor.full_parameters(prefix="lm.")}
+    finally:
+        group.shutdown()
+        gc.collect()
+    base = AutoModelForCausalLM.from_pretrained(vllm_model_dir).state_dict()
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    assert (merged[q_proj] - base[q_proj]).abs().max() > 1e-3  # the adapters moved
+    hf_config = load_config(overrides=[*overrides, "rollout.hf_decoding=generate"])
+    hf = build_rollout(hf_config, str(vllm_model_dir), load_tokenizer(str(vllm_model_dir)), torch.float32, CPU, 0)
+    untrained = hf.generate(batch).batch
+    hf.update_weights(merged.items())
+    expected = hf.generate(batch).batch
+    assert not torch.equal(untrained["responses"], expected["responses"])  # the adapters change what is decoded
+    assert torch.equal(greedy["response_mask"], expected["response_mask"])
+    assert torch.equal(greedy["responses"], expected["responses"])
 
 
 @pytest.fixture(scope="module")

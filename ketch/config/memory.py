@@ -4,7 +4,9 @@ hf rollout's weights and KV cache (or vLLM's share of the GPU), and the activati
 
 The training state is float32 weights (4 bytes per parameter) and AdamW's two moments (8, none on the GPU with
 `optim.offload`), with float32 gradients (4) during the update only: the FSDP engine frees them after each
-optimizer step. FSDP shards it over every trainer GPU, Megatron over its tensor x pipeline group.
+optimizer step. FSDP shards it over every trainer GPU, Megatron over its tensor x pipeline group. A role that
+trains LoRA adapters keeps its frozen base in model.dtype and that training state for its adapters only (counted
+as on every linear layer, `all-linear`: at most what a list of layers takes); its reference is the actor itself.
 
 Activations are an estimate for a dense decoder in bf16 (`activation_bytes`): per token and block, about 8 x
 hidden + 4 x intermediate numbers are kept for the backward pass (the block's input, norms, q/k/v, attention
@@ -43,9 +45,12 @@ def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes
         shards = role.megatron.model_parallel_size if role.strategy == "megatron" else gpus
         kept = 4 + (0 if role.optim.offload else 8)
         gradients = 4 if role.strategy == "fsdp" else 0  # the Megatron engine keeps them until its next update
-        parts["update"][f"{name} state"] = parameters * (kept + 4) // shards
-        parts["generation"][f"{name} state"] = parameters * (kept + 4 - gradients) // shards
-    if config.use_reference:
+        trained_count, frozen_bytes = parameters, 0
+        if role.lora.enabled:
+            trained_count, frozen_bytes = lora_parameters(model, role.lora.rank), parameters * frozen
+        parts["update"][f"{name} state"] = (trained_count * (kept + 4) + frozen_bytes) // shards
+        parts["generation"][f"{name} state"] = (trained_count * (kept + 4 - gradients) + frozen_bytes) // shards
+    if config.use_reference and not config.actor.lora.enabled:
         for phase in PHASES:
             parts[phase]["reference"] = parameters * frozen // gpus
     r = config.rollout
@@ -61,6 +66,15 @@ def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes
     for phase in PHASES if not r.free_memory_while_training else ("generation",):
         parts[phase].update(rollout)
     return parts
+
+
+def lora_parameters(model: Any, rank: int) -> int:
+    """Adapter parameters of rank `rank` on every linear layer of the decoder blocks of the HF config `model` (q, k,
+    v, o; gate, up, down): rank x (inputs + outputs) of each."""
+    shape, hidden = attention_shape(model), model.hidden_size
+    queries, keys = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 2 * (hidden + queries) + 2 * (hidden + keys) + 3 * (hidden + intermediate_size(model))
+    return rank * per_layer * model.num_hidden_layers
 
 
 def activation_bytes(config: KetchConfig, model: Any) -> int:

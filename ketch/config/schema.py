@@ -172,6 +172,33 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters (LoRA, Hu et al. 2021, https://arxiv.org/abs/2106.09685) through PEFT: the model's weights
+    stay frozen and each chosen linear layer learns a product B x A of rank `rank` added to its output, scaled by
+    alpha / rank. Only the adapters take gradients and AdamW's moments; the reference policy is the same model with
+    its adapters turned off; exports are the merged model plus the adapter directory (`model/adapter`)."""
+
+    rank: int = 0
+    """Rank of each adapter (PEFT's r); 0 trains every weight of the model (no adapters)."""
+    alpha: float = 32.0
+    """Scale of the adapters' output, alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in training forwards (PEFT's lora_dropout); the reference and the rollout
+    never see it. In RL it makes the update's log-probs differ from the rollout's; 0 keeps them equal."""
+    target_modules: str | list[str] = "all-linear"
+    """The linear layers that get adapters: `all-linear` (every linear layer but the output layer and a value or
+    score head), or a list of names (`[q_proj, v_proj]`; a name matches a layer whose path ends with it)."""
+    adapter_path: str | None = None
+    """A PEFT adapter directory (a run's `model/adapter`, or any LoRA adapter of this base model) to start from;
+    its own rank, alpha and target modules apply. Setting it turns LoRA on."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model trains adapters (a rank, or an adapter to start from)."""
+        return self.rank > 0 or self.adapter_path is not None
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     strategy: Literal["fsdp", "megatron"] = "fsdp"
     """Training engine of the actor (and of the reference, which follows it): `fsdp` (FSDP2, CPU or GPU) or
@@ -180,6 +207,8 @@ class ActorConfig:
     """Model parallelism when strategy=megatron."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     """Optimizer of the policy (the default suits the built-in tiny model; use ~1e-6 for billion-parameter models)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train LoRA adapters instead of the whole policy (also in `ketch sft`); strategy=fsdp only."""
     ppo_mini_batch_size: int | None = 8
     """Prompts per optimizer step (x rollout.n sequences); None = the whole batch, one step per epoch. The default
     takes four optimizer steps per batch of 32 prompts, which learns the built-in task fastest per second."""
@@ -265,6 +294,8 @@ class CriticConfig:
     """Backbone of the critic; None = the actor's initial weights with a fresh value head."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     """Optimizer of the value model (the default suits the built-in tiny model; use ~1e-5 for large models)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Train LoRA adapters on the value model's backbone, with its value head trained whole; strategy=fsdp only."""
     ppo_mini_batch_size: int | None = None
     """Prompts per critic optimizer step; None = the whole batch."""
     ppo_micro_batch_size_per_device: int | None = None
@@ -400,6 +431,9 @@ class RewardModelConfig:
     """Ray: the reward model in the actor's processes (colocate), or on a resource pool of its own (split)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4))
     """Optimizer of `ketch rm` (the default suits the built-in tiny model; use ~1e-5 for large models)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """`ketch rm`: train LoRA adapters on the backbone, with the score head trained whole (a frozen PPO reward
+    model takes none: give reward.model.path the merged `model/` that `ketch rm` writes)."""
 
 
 @dataclass(frozen=True)

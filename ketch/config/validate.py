@@ -19,6 +19,7 @@ from ketch.config.schema import (
     FilterGroupsConfig,
     KetchConfig,
     KLControlConfig,
+    LoraConfig,
     MegatronConfig,
     MultiTurnConfig,
     OptimConfig,
@@ -66,6 +67,11 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "entropy_coeff": (FINITE, "a negative value penalises entropy"),
         "router_aux_loss_coef": (NON_NEGATIVE, "null uses the model config's router_aux_loss_coef"),
         "kl_loss_coef": NON_NEGATIVE,
+    },
+    LoraConfig: {
+        "rank": (NON_NEGATIVE, "0 trains the whole model"),
+        "alpha": POSITIVE,
+        "dropout": "[0, 1)",
     },
     MegatronConfig: {
         "tensor_model_parallel_size": COUNT,
@@ -365,6 +371,22 @@ def _dapo(c: KetchConfig) -> str | None:
     return None
 
 
+def _lora(c: KetchConfig) -> str | None:
+    roles = {"actor": c.actor} | ({"critic": c.critic} if c.use_critic else {})
+    refused = [name for name, role in roles.items() if role.lora.enabled and role.strategy == "megatron"]
+    if refused:
+        name = refused[0]
+        return (
+            f"{name}.lora trains adapters on the FSDP engine; the Megatron engine ({name}.strategy=megatron) trains "
+            f"full weights only: set {name}.strategy=fsdp or {name}.lora.rank=0"
+        )
+    sections = {"actor.lora": c.actor.lora, "critic.lora": c.critic.lora, "reward.model.lora": c.reward.model.lora}
+    empty = [key for key, lora in sections.items() if not lora.target_modules]
+    if empty:
+        return f"{empty[0]}.target_modules is empty; give all-linear or names of linear layers, e.g. [q_proj, v_proj]"
+    return None
+
+
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
 _CHECKS += (_sequence_parallel,)

@@ -4,7 +4,8 @@ Every rank writes its own shards of the model and optimizer state into one direc
 per-rank file (`extra_rank{r}.pt`: learning-rate schedule, RNG states and whatever the worker adds) and,
 on rank 0, `manifest.json` (world size and parameter layout) and `hf/` (the Hugging Face config and
 tokenizer, so that the checkpoint exports on its own). DCP reshards on load, so a checkpoint can
-be resumed with another world size; the per-rank RNG states then cannot be, which is said in a warning.
+be resumed with another world size; the per-rank RNG states then cannot be, which is said in a warning. A model
+that trains LoRA adapters saves those (and a head trained with them), not its frozen base.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ketch.engine.engine import TrainEngine
 
@@ -79,7 +80,9 @@ def load_engine(engine: TrainEngine | Any, directory: Path) -> dict[str, Any]:
     state = _state(engine)
     dcp.load(state, checkpoint_id=str(directory))
     optimizers = [engine.optimizer] if engine.optimizer is not None else []
-    set_state_dict(engine.module, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+    whole = StateDictOptions(strict=all(p.requires_grad for p in engine.module.parameters()))  # else adapters only
+    model, optim = state["model"], state.get("optim", {})
+    set_state_dict(engine.module, optimizers, model_state_dict=model, optim_state_dict=optim, options=whole)
     extra = torch.load(directory / f"extra_rank{rank % manifest['world_size']}.pt", weights_only=False)
     if engine.scheduler is not None and extra["scheduler"] is not None:
         engine.scheduler.load_state_dict(extra["scheduler"])
@@ -97,9 +100,14 @@ def load_engine(engine: TrainEngine | Any, directory: Path) -> dict[str, Any]:
 
 
 def _state(engine: TrainEngine) -> dict[str, Any]:
+    """What a checkpoint holds: the model state (of a trained engine, its trained parameters only: a model that
+    trains adapters leaves out its frozen base) and the optimizer's."""
     optimizers = [engine.optimizer] if engine.optimizer is not None else []
     model, optim = get_state_dict(engine.module, optimizers)
-    return {"model": model, "optim": optim} if optimizers else {"model": model}
+    if not optimizers:
+        return {"model": model}
+    trained = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {"model": {name: t for name, t in model.items() if name in trained}, "optim": optim}
 
 
 def _rank_world() -> tuple[int, int]:

@@ -27,6 +27,7 @@ from ketch.config.schema import OptimConfig
 from ketch.engine.activations import HostActivations
 from ketch.engine.distributed import all_reduce_sum
 from ketch.engine.log_probs import load_kernels
+from ketch.engine.lora import lora_layers, merged
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler, step_unless
 from ketch.engine.sequence_parallel import sequence_parallel_group
@@ -148,7 +149,9 @@ class TrainEngine:
     """An FSDP2-sharded module with (optionally) AdamW and an lr schedule. `gradient_checkpointing` recomputes each
     block's activations in the backward pass; `activation_offload` keeps what a training forward saves for the
     backward (with recomputation: the checkpoints) in host memory (`ketch.engine.activations`); `sequence_parallel`
-    ranks share each micro-batch's tokens (`ketch.engine.sequence_parallel`: they get the same micro-batches)."""
+    ranks share each micro-batch's tokens (`ketch.engine.sequence_parallel`: they get the same micro-batches). AdamW
+    trains the parameters that take gradients: all of them, or a model's LoRA adapters (`ketch.engine.lora`) and
+    whatever else is left trainable."""
 
     def __init__(
         self,
@@ -177,11 +180,13 @@ class TrainEngine:
             use_sequence_parallel(self.module, sequence_parallel)
         self.host_activations = HostActivations() if activation_offload else None
         self.optim_config = optim
+        self.lora_layers = lora_layers(self.module)
         if optim is None:
             self.module.requires_grad_(False)
             self.optimizer = self.scheduler = None
         else:
-            self.optimizer = build_optimizer(self.module.parameters(), optim, device)
+            trained = [p for p in self.module.parameters() if p.requires_grad]
+            self.optimizer = build_optimizer(trained, optim, device)
             self.scheduler = build_scheduler(self.optimizer, optim, total_steps)
 
     # ----------------------------------------------------------------- inference
@@ -252,7 +257,8 @@ class TrainEngine:
     def full_parameters(self, prefix: str = "", dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter, names relative to the submodule `prefix` (e.g. `lm.` for the
         wrapped HF model). Tied parameters come under each of their names (some engines, like vLLM's CPU build,
-        need `lm_head.weight` spelled out).
+        need `lm_head.weight` spelled out). LoRA adapters come merged into their layers' weights, under the plain
+        model's names (`ketch.engine.lora.merged`).
 
         Without mixed precision, or in its `param_dtype` (the rollout's dtype), the weights come one FSDP unit (a
         transformer block, then the root's own parameters) at a time, with one all-gather per unit in the dtype
@@ -260,14 +266,26 @@ class TrainEngine:
         them clones them. The float32 master weights of a mixed-precision engine (`dtype` None or float32) are
         gathered one parameter at a time."""
         if self.param_dtype is not None and dtype != self.param_dtype:
-            yield from self._gathered_one_by_one(prefix, dtype)
-            return
+            named = self._gathered_one_by_one(dtype)
+        else:
+            named = self._gathered_by_unit(dtype)
+        for name, tensor in merged(named, self.lora_layers):
+            yield name.removeprefix(prefix), tensor
+
+    def trained_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of each parameter that takes gradients (a model's LoRA adapters and a head trained
+        with them), one `full_tensor()` each: every rank must draw them all."""
+        for name, param in self.module.named_parameters():
+            if param.requires_grad:
+                yield name, (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+    def _gathered_by_unit(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         for unit, names in self._fsdp_units():
             unit.unshard()
             try:
                 for name in names:
                     tensor = self.module.get_parameter(name).detach()
-                    yield name.removeprefix(prefix), tensor.to(dtype or tensor.dtype)
+                    yield name, tensor.to(dtype or tensor.dtype)
             finally:
                 unit.reshard()
 
@@ -280,7 +298,7 @@ class TrainEngine:
             names[owner].append(name)
         return [(units[path], names[path]) for path in units if names[path]]
 
-    def _gathered_one_by_one(self, prefix: str, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _gathered_one_by_one(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
         """`full_parameters` one `full_tensor()` per parameter, cast to `dtype`: tensors of their own."""
         named = list(self.module.named_parameters(remove_duplicate=False))
         counts = Counter(id(param) for _, param in named)
@@ -292,4 +310,4 @@ class TrainEngine:
                 tensor = full.detach().to(dtype or full.dtype)
                 if counts[id(param)] > 1:
                     tied[id(param)] = tensor
-            yield name.removeprefix(prefix), tensor
+            yield name, tensor

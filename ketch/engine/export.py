@@ -122,6 +122,16 @@ def gather_hf_state(engine: TrainEngine, keep: bool = True) -> dict[str, torch.T
     return state
 
 
+def gather_trained_state(engine: TrainEngine, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The trained parameters of a live engine (LoRA adapters, a head trained with them) on the CPU, by HF name;
+    every rank calls, as for `gather_hf_state`."""
+    state = {}
+    for name, tensor in engine.trained_parameters():
+        if keep:
+            state[_hf_name(name)] = tensor.to("cpu", copy=True)
+    return state
+
+
 def load_checkpoint_state(directory: str | Path) -> dict[str, torch.Tensor]:
     """Model weights of a sharded engine checkpoint (see `engine.checkpoint`, or the Megatron engine's), merged
     on the CPU, by HF name."""

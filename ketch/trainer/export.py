@@ -1,4 +1,5 @@
-"""`ketch export CHECKPOINT_DIR OUT_DIR`: a saved step as a Hugging Face directory, merged on the CPU."""
+"""`ketch export CHECKPOINT_DIR OUT_DIR`: a saved step as a Hugging Face directory, merged on the CPU (a role
+that trained LoRA adapters: its adapters merged into the base model they were trained on)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from transformers import AutoConfig
 
 from ketch.engine.checkpoint import HF_DIR
 from ketch.engine.export import load_checkpoint_state, write_hf_directory
-from ketch.models import load_tokenizer
+from ketch.engine.lora import ADAPTER_CONFIG, merged_state
+from ketch.models import load_causal_lm, load_critic, load_reward_model, load_tokenizer
 from ketch.trainer.checkpoint import read_trainer_state
 
 logger = logging.getLogger("ketch")
 
 ROLES = ("actor", "critic", "reward_model")
+BASE_LOADERS = {"actor": load_causal_lm, "critic": load_critic, "reward_model": load_reward_model}
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "actor") -> Path:
@@ -30,6 +33,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "
         raise FileNotFoundError(f"{checkpoint} has no {role!r} part; it has {present}")
     hf_config = AutoConfig.from_pretrained(part / HF_DIR)
     state = load_checkpoint_state(part)
+    if (part / HF_DIR / ADAPTER_CONFIG).is_file():
+        state = _merged_into_base(part / HF_DIR, role, state)
     if role == "critic":
         return write_hf_directory(state, hf_config, out_dir)
     if role == "reward_model":
@@ -40,3 +45,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "
     shutil.copy(checkpoint / "config.json", out / "ketch_config.json")
     logger.info("exported %s of %s to %s", role, checkpoint, out)
     return out
+
+
+def _merged_into_base(directory: Path, role: str, adapters: dict) -> dict:
+    """The state of `role`'s base model (named in `directory/adapter_config.json`) with the checkpoint's adapters
+    (and a head trained with them) merged in."""
+    base = json.loads((directory / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    return merged_state(BASE_LOADERS[role](base), directory, adapters)

@@ -25,12 +25,13 @@ from ketch.algorithms import (
     robust_compute_advantage,
     rollout_mismatch_metrics,
 )
-from ketch.config import KetchConfig, derive_batch_plan
+from ketch.config import ConfigError, KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
 from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
+from ketch.engine.lora import check_lora
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import check_causal_lm, check_tokenizer_fits, check_value_head, load_model_config, load_tokenizer
 from ketch.preflight import preflight
@@ -73,6 +74,7 @@ class PPOTrainer(TrainingLoop):
         check_rollout_start(c, model_config)
         if megatron_roles(c):
             check_supported(model_config)
+        self._check_lora(model_config)
         self.tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
@@ -87,6 +89,21 @@ class PPOTrainer(TrainingLoop):
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
         self.warned_truncation = False
         self.standalone: StandaloneRollout | None = None
+
+    def _check_lora(self, model_config) -> None:
+        """LoRA settings that cannot apply to their models stop the run here (`check_lora`), before any worker."""
+        c = self.config
+        if c.actor.lora.enabled:
+            check_lora("actor.lora", c.actor.lora, model_config, c.model.trust_remote_code)
+        if c.use_critic and c.critic.lora.enabled:
+            critic_path = c.critic.model_path and local_or_hub(c.critic.model_path)
+            critic_config = load_model_config(critic_path, c.model.trust_remote_code) if critic_path else model_config
+            check_lora("critic.lora", c.critic.lora, critic_config, c.model.trust_remote_code)
+        if c.reward.model.lora.enabled:
+            raise ConfigError(
+                "reward.model.lora trains a reward model's adapters in `ketch rm`; PPO's reward model is frozen: give "
+                "reward.model.path the merged model/ that `ketch rm` wrote"
+            )
 
     def _build_groups(self) -> WorkerGroups:
         p, steps = self.plan, self.total_steps

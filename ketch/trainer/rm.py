@@ -11,6 +11,7 @@ from ketch.algorithms import bradley_terry_loss, pairwise_accuracy
 from ketch.config import ConfigError, KetchConfig, to_dict
 from ketch.data import PreferenceDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
+from ketch.engine.lora import check_lora
 from ketch.models import check_tokenizer_fits, load_model_config, load_tokenizer
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
@@ -41,10 +42,12 @@ class RMTrainer:
         _check_sizes(c)
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.model_path = resolve_model_path(c)
+        model_config = load_model_config(self.model_path, c.model.trust_remote_code)
+        if c.reward.model.lora.enabled:
+            check_lora("reward.model.lora", c.reward.model.lora, model_config, c.model.trust_remote_code)
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )
-        model_config = load_model_config(self.model_path, c.model.trust_remote_code)
         check_tokenizer_fits(tokenizer, model_config, self.model_path, c.model.tokenizer_path)
         self.train_set = PreferenceDataset(resolve_data_files(c.data.train_files), tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)

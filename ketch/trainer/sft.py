@@ -12,6 +12,7 @@ from ketch.config import KetchConfig, derive_batch_plan, to_dict
 from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.loader import PromptLoader
+from ketch.engine.lora import check_lora
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import check_causal_lm, check_tokenizer_fits, load_model_config, load_tokenizer, local_or_hub
 from ketch.preflight import preflight
@@ -54,6 +55,8 @@ class SFTTrainer:
         check_rollout_start(c, model_config)
         if megatron_roles(c):
             check_supported(model_config)
+        if c.actor.lora.enabled:
+            check_lora("actor.lora", c.actor.lora, model_config, c.model.trust_remote_code)
         tokenizer = load_tokenizer(
             c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
         )

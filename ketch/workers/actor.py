@@ -1,11 +1,12 @@
 """`ActorRolloutRefWorker`: the hybrid engine. One process holds the actor (FSDP2 or Megatron engine), the
-rollout engine and, when KL is used, the frozen reference policy; after each update the actor's weights go
-to the rollout in memory."""
+rollout engine and, when KL is used, the frozen reference policy (with `actor.lora`, the actor's own base model:
+its adapters turned off); after each update the actor's weights go to the rollout in memory."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,12 +22,13 @@ from ketch.algorithms import (
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
-from ketch.engine.checkpoint import load_engine, save_engine
+from ketch.engine.checkpoint import HF_DIR, load_engine, save_engine
 from ketch.engine.distributed import all_reduce_max
 from ketch.engine.engine import TrainEngine, compile_enabled
-from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.export import gather_hf_state, gather_trained_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import PolicyModel
+from ketch.engine.lora import ADAPTER_DIR, adapters_disabled, add_lora, peft_config, write_adapter, write_adapter_config
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype, stop_token_ids
@@ -66,11 +68,16 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         if c.actor.strategy == "megatron":
             self._build_megatron_engines()
         else:
+            lora = c.actor.lora
             mixed = self.dtype if self.dtype != torch.float32 else None
             packed = packing_enabled(c.model.use_remove_padding, self.device)
             compile = compile_enabled(c.model.use_torch_compile, self.device)
+            # a frozen base stays in model.dtype: it needs no float32 master weights
+            policy = PolicyModel(self._load(self.dtype if lora.enabled else torch.float32), packed)
+            if lora.enabled:  # after the head turned the model's dropout off: the adapters' own stays
+                add_lora(policy.lm, lora, seed=c.trainer.seed)
             self.actor = TrainEngine(
-                PolicyModel(self._load(torch.float32), packed),
+                policy,
                 self.device,
                 c.actor.optim,
                 self.total_updates,
@@ -87,7 +94,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
                     compile=compile,
                     sequence_parallel=c.actor.ulysses_sequence_parallel_size,
                 )
-                if c.use_reference
+                if c.use_reference and not lora.enabled
                 else None
             )
             self.hf_config = self.actor.module.lm.config
@@ -155,11 +162,14 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
 
     @register(DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """`ref_log_prob` `[batch, response_len]` under the frozen reference policy."""
-        if self.ref is None:
+        """`ref_log_prob` `[batch, response_len]` under the frozen reference policy: with `actor.lora`, the actor's
+        base model (its adapters turned off for these forwards)."""
+        if not self.config.use_reference:
             raise RuntimeError("compute_ref_log_prob called, but no reference policy was built (KL is not used)")
         micro = self.config.ref.log_prob_micro_batch_size_per_device
-        out = self.ref.infer(data, micro, self._token_budget(), **self._forward_kwargs(False))
+        engine = self.actor if self.ref is None else self.ref
+        with adapters_disabled(self.actor.module) if self.ref is None else nullcontext():
+            out = engine.infer(data, micro, self._token_budget(), **self._forward_kwargs(False))
         return DataProto.from_dict({"ref_log_prob": out["log_prob"].cpu()})
 
     def _token_budget(self) -> int | None:
@@ -328,17 +338,26 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     @register(ONE_TO_ALL)
     def save_pretrained(self, out_dir: str, engine_config: dict | None = None) -> None:
         """Write the actor as a Hugging Face directory with its tokenizer, the run's stop tokens as EOS
-        and `vllm_engine_config.json` (every rank gathers, rank 0 writes)."""
+        and `vllm_engine_config.json` (every rank gathers, rank 0 writes). With `actor.lora` the weights are merged
+        and `out_dir/adapter` is the PEFT adapter directory."""
+        lora = self.config.actor.lora
         state = gather_hf_state(self.actor, keep=self.rank == 0)
+        adapter = gather_trained_state(self.actor, keep=self.rank == 0) if lora.enabled else {}
         if self.rank == 0:
             stops = stop_token_ids(self.tokenizer, self.model_path, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)
+            if lora.enabled:
+                write_adapter(adapter, peft_config(lora), Path(out_dir) / ADAPTER_DIR, self.model_path, None)
 
     # ----------------------------------------------------------------- checkpoints
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Sharded actor model/optimizer/schedule, this rank's RNG, the HF config and tokenizer."""
+        """Sharded actor model/optimizer/schedule, this rank's RNG, the HF config and tokenizer; with `actor.lora`
+        the adapters, and their settings beside the HF config (`ketch export` merges them into the base)."""
         save_engine(self.actor, Path(directory), {"update_count": self.update_count}, self.hf_config, self.tokenizer)
+        lora = self.config.actor.lora
+        if lora.enabled and self.rank == 0:
+            write_adapter_config(peft_config(lora), Path(directory) / HF_DIR, self.model_path, None)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:

@@ -10,11 +10,12 @@ from ketch.algorithms import value_loss
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
-from ketch.engine.checkpoint import load_engine, save_engine
+from ketch.engine.checkpoint import HF_DIR, load_engine, save_engine
 from ketch.engine.engine import TrainEngine, compile_enabled
-from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.export import gather_hf_state, gather_trained_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
 from ketch.engine.heads import ValueModel
+from ketch.engine.lora import ADAPTER_DIR, add_lora, peft_config, write_adapter, write_adapter_config
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_critic
 from ketch.protocol import DataProto
@@ -37,18 +38,18 @@ class CriticWorker(DeviceMemory, Worker):
         super().__init__()
         self.config, self.model_path, self.plan, self.total_updates = config, model_path, plan, total_updates
         self.update_count = 0
+        self.head: str | None = None  # the value head's name, when it trains beside LoRA adapters (critic.lora)
 
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
         c, m = self.config, self.config.model
         self.device = setup_process(c.trainer.device, c.trainer.seed + 104729)
-        critic = load_critic(
-            c.critic.model_path or self.model_path, torch.float32, m.attn_implementation, m.trust_remote_code
-        )
+        mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
+        dtype = (mixed or torch.float32) if c.critic.lora.enabled else torch.float32  # a frozen base: no master copy
+        critic = load_critic(self.base_path, dtype, m.attn_implementation, m.trust_remote_code)
         self.hf_config = critic.config
         if m.use_liger:
             fuse_kernels(critic, self.device)
-        mixed = torch.bfloat16 if self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         if c.critic.strategy == "megatron":
             from ketch.engine.megatron.engine import MegatronEngine
 
@@ -59,8 +60,12 @@ class CriticWorker(DeviceMemory, Worker):
                 *args, self.total_updates, dtype, m.gradient_checkpointing, c.trainer.seed, value_head=True
             )
         else:
+            value_model = ValueModel(critic, packing_enabled(m.use_remove_padding, self.device))
+            if c.critic.lora.enabled:  # the value head trains whole beside the adapters
+                self.head = value_model.head_name
+                add_lora(critic, c.critic.lora, self.head, c.trainer.seed)
             self.critic = TrainEngine(
-                ValueModel(critic, packing_enabled(m.use_remove_padding, self.device)),
+                value_model,
                 self.device,
                 c.critic.optim,
                 self.total_updates,
@@ -70,6 +75,11 @@ class CriticWorker(DeviceMemory, Worker):
                 activation_offload=m.activation_offload,
                 sequence_parallel=c.actor.ulysses_sequence_parallel_size,
             )
+
+    @property
+    def base_path(self) -> str:
+        """Where the value model's backbone comes from."""
+        return self.config.critic.model_path or self.model_path
 
     def dispatch_rank(self) -> tuple[int, bool]:
         c = self.config
@@ -95,8 +105,12 @@ class CriticWorker(DeviceMemory, Worker):
 
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Sharded critic model/optimizer/schedule, this rank's RNG and the HF config."""
+        """Sharded critic model/optimizer/schedule, this rank's RNG and the HF config; with `critic.lora` the
+        adapters and the head, and their settings beside the HF config."""
         save_engine(self.critic, Path(directory), {"update_count": self.update_count}, self.hf_config)
+        if self.config.critic.lora.enabled and self.rank == 0:
+            config = peft_config(self.config.critic.lora, self.head)
+            write_adapter_config(config, Path(directory) / HF_DIR, self.base_path, self.head)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
@@ -104,10 +118,16 @@ class CriticWorker(DeviceMemory, Worker):
 
     @register(ONE_TO_ALL)
     def save_pretrained(self, out_dir: str) -> None:
-        """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label)."""
+        """Write the value model as a Hugging Face directory (`*ForTokenClassification`, one label); with
+        `critic.lora`, merged, and the adapter with its head in `out_dir/adapter`."""
+        lora = self.config.critic.lora
         state = gather_hf_state(self.critic, keep=self.rank == 0)
+        adapter = gather_trained_state(self.critic, keep=self.rank == 0) if lora.enabled else {}
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir)
+            if lora.enabled:
+                config = peft_config(lora, self.head)
+                write_adapter(adapter, config, Path(out_dir) / ADAPTER_DIR, self.base_path, self.head)
 
     def _loss(self, out: dict, micro: DataProto, num_tokens: torch.Tensor, num_seqs: torch.Tensor):
         c, b = self.config.critic, micro.batch

@@ -8,18 +8,22 @@ from pathlib import Path
 import torch
 
 from ketch.algorithms import bradley_terry_loss, last_valid_index, pairwise_accuracy
-from ketch.config.schema import KetchConfig
+from ketch.config.schema import KetchConfig, LoraConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, Worker, register
 from ketch.data.batching import position_ids
 from ketch.data.retokenize import needs_retokenize, retokenize
-from ketch.engine.checkpoint import load_engine, save_engine
+from ketch.engine.checkpoint import HF_DIR, load_engine, save_engine
 from ketch.engine.engine import TrainEngine, compile_enabled
-from ketch.engine.export import gather_hf_state, write_hf_directory
+from ketch.engine.export import gather_hf_state, gather_trained_state, write_hf_directory
 from ketch.engine.heads import ScoreModel
+from ketch.engine.lora import ADAPTER_DIR, add_lora, peft_config, write_adapter, write_adapter_config
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_reward_model, load_tokenizer, resolve_dtype, stop_token_ids
 from ketch.protocol import DataProto
 from ketch.workers.common import DeviceMemory, setup_process
+
+HEAD = "score"
+"""The score head of a `*ForSequenceClassification` reward model (`ScoreModel`)."""
 
 
 class RewardModelWorker(DeviceMemory, Worker):
@@ -43,18 +47,28 @@ class RewardModelWorker(DeviceMemory, Worker):
         self.total_updates, self.actor_model_path = total_updates, actor_model_path
         self.update_count = 0
 
+    @property
+    def lora(self) -> LoraConfig | None:
+        """`reward.model.lora` when `ketch rm` trains adapters, else None (a frozen PPO reward model takes none)."""
+        lora = self.config.reward.model.lora
+        return lora if self.total_updates is not None and lora.enabled else None
+
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
         c, m, training = self.config, self.config.model, self.total_updates is not None
         self.device = setup_process(c.trainer.device, c.trainer.seed + 15485863)
+        mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         dtype = torch.float32 if training else resolve_dtype(m.dtype, self.device)
+        if self.lora is not None:  # a frozen base needs no float32 master weights
+            dtype = mixed or torch.float32
         model = load_reward_model(self.model_path, dtype, m.attn_implementation, m.trust_remote_code)
         self.hf_config = model.config
         self.tokenizer = load_tokenizer(self.tokenizer_path, m.trust_remote_code, self.model_path)
-        mixed = torch.bfloat16 if training and self.device.type == "cuda" and m.dtype in ("auto", "bfloat16") else None
         optim = c.reward.model.optim if training else None
         checkpointing = training and m.gradient_checkpointing
         head = ScoreModel(model, packing_enabled(m.use_remove_padding, self.device))
+        if self.lora is not None:  # the score head trains whole beside the adapters
+            add_lora(model, self.lora, HEAD, c.trainer.seed)
         compile = compile_enabled(m.use_torch_compile, self.device)
         self.engine = TrainEngine(head, self.device, optim, self.total_updates or 1, mixed, checkpointing, compile)
         self.actor_tokenizer = self._actor_tokenizer_if_needed()
@@ -111,15 +125,23 @@ class RewardModelWorker(DeviceMemory, Worker):
     @register(ONE_TO_ALL)
     def save_pretrained(self, out_dir: str) -> None:
         """Write the reward model as a Hugging Face directory (`*ForSequenceClassification`, one label) with its
-        tokenizer (every rank gathers, rank 0 writes)."""
+        tokenizer (every rank gathers, rank 0 writes); with `reward.model.lora`, merged, and the adapter with its
+        score head in `out_dir/adapter`."""
         state = gather_hf_state(self.engine, keep=self.rank == 0)
+        adapter = gather_trained_state(self.engine, keep=self.rank == 0) if self.lora else {}
         if self.rank == 0:
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer)
+            if self.lora is not None:
+                config = peft_config(self.lora, HEAD)
+                write_adapter(adapter, config, Path(out_dir) / ADAPTER_DIR, self.model_path, HEAD)
 
     @register(ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        """Sharded model/optimizer/schedule, this rank's RNG, the HF config and tokenizer."""
+        """Sharded model/optimizer/schedule, this rank's RNG, the HF config and tokenizer; with `reward.model.lora`
+        the adapters and the head, and their settings beside the HF config."""
         save_engine(self.engine, Path(directory), {"update_count": self.update_count}, self.hf_config, self.tokenizer)
+        if self.lora is not None and self.rank == 0:
+            write_adapter_config(peft_config(self.lora, HEAD), Path(directory) / HF_DIR, self.model_path, HEAD)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
