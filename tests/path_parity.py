@@ -156,14 +156,16 @@ def expected_layout() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return responses, response_mask, real
 
 
-def for_update(data: DataProto) -> DataProto:
-    """`data` with seeded advantages `[batch, response_len]` and the rollout's log-probs as pi_old: a GRPO batch."""
+def for_update(data: DataProto, old_log_prob: torch.Tensor | None = None) -> DataProto:
+    """`data` with seeded advantages `[batch, response_len]` and pi_old (default: the rollout's log-probs, as the
+    tool example takes it): a GRPO batch."""
     g = torch.Generator().manual_seed(2)
     b = data.batch
     advantages = torch.randn(b["responses"].shape[0], 1, generator=g).expand_as(b["response_mask"])
+    old_log_prob = b["rollout_log_probs"] if old_log_prob is None else old_log_prob
     return DataProto.from_dict(
         {key: b[key] for key in ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")}
-        | {"advantages": advantages * b["response_mask"], "old_log_prob": b["rollout_log_probs"]}
+        | {"advantages": advantages * b["response_mask"], "old_log_prob": old_log_prob}
     )
 
 

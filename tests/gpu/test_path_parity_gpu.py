@@ -93,10 +93,13 @@ def test_sampled_trajectories_score_alike_in_the_bf16_rollout_and_both_training_
 
 
 def test_a_grpo_update_on_multi_turn_rows_points_the_same_way_on_both_paths(groups):
-    gpu, config = groups["gpu"]
+    """The GPU's update as the tool example makes it (pi_old from its bfloat16 rollout) against the exact one (the
+    float32 reference's, pi_old from its own forward: ratio 1)."""
+    (gpu, config), (reference, _) = groups["gpu"], groups["reference"]
     torch.manual_seed(1)
-    data = for_update(gpu.generate_sequences(prompts(config, repeat=2, do_sample=True)))
-    grads = {name: update_gradients(group, data) for name, (group, _) in groups.items()}
+    data = gpu.generate_sequences(prompts(config, repeat=2, do_sample=True))
+    exact = for_update(data, reference.compute_log_prob(data).batch["old_log_prob"])
+    grads = {"gpu": update_gradients(gpu, for_update(data)), "reference": update_gradients(reference, exact)}
     assert cosine(grads["gpu"], grads["reference"]) > MIN_COSINE
 
 
