@@ -54,9 +54,11 @@ from ketch.algorithms.preference import bradley_terry_loss, pairwise_accuracy
 from ketch.algorithms.reward_mix import REWARD_SOURCES, RewardMixer, RunningMeanStd, last_valid_index
 from ketch.algorithms.rollout_correction import (
     ROLLOUT_IS_LEVELS,
+    TURN_KINDS,
     rollout_is_weights,
     rollout_mismatch_metrics,
     rollout_mismatch_terms,
+    turn_masks,
 )
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "KL_KINDS",
     "REWARD_SOURCES",
     "ROLLOUT_IS_LEVELS",
+    "TURN_KINDS",
     "AdaptiveKLController",
     "AdvEstimator",
     "FixedKLController",
@@ -108,5 +111,6 @@ __all__ = [
     "rollout_is_weights",
     "rollout_mismatch_metrics",
     "rollout_mismatch_terms",
+    "turn_masks",
     "value_loss",
 ]

@@ -255,11 +255,13 @@ class PPOTrainer(TrainingLoop):
         }
 
     def _rollout_mismatch(self, batch: DataProto) -> dict[str, float]:
-        """How far the rollout engine's log-probs are from the training engine's (`training/rollout_*`)."""
+        """How far the rollout engine's log-probs are from the training engine's (`training/rollout_*`; per kind of
+        turn too, in multi-turn batches)."""
         b = batch.batch
         if "rollout_log_probs" not in b:
             return {}
-        return rollout_mismatch_metrics(b["old_log_prob"], b["rollout_log_probs"], b["response_mask"])
+        real = b["attention_mask"][:, -b["response_mask"].shape[-1] :]
+        return rollout_mismatch_metrics(b["old_log_prob"], b["rollout_log_probs"], b["response_mask"], real)
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm

@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 from ketch.algorithms import (
+    TURN_KINDS,
     agg_loss,
     get_policy_loss,
     kl_penalty,
     masked_mean,
     rollout_is_weights,
     rollout_mismatch_terms,
+    turn_masks,
 )
 from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
@@ -186,17 +188,15 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         seed = shuffle_seed(self, self.update_count)
         # Without a separate old-log-prob pass, the update's forward also gives the entropy metric.
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
-        self.mismatch_max = torch.zeros((), device=self.device)
-        steps = [
-            self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy))
-            for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, self._token_budget())
-        ]
+        self.mismatch_max = torch.zeros(1 + len(TURN_KINDS), device=self.device)
+        self.mismatch_with = self._rollout_column(data)
+        steps = []
+        for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, self._token_budget()):
+            steps.append(self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy)))
+            self.mismatch_with = None  # the next mini-batch's forward runs on weights the rollout did not sample with
         self.update_count += 1
         metrics = mean_over_steps(steps, "actor")
-        if "actor/rollout_kl" in metrics:
-            metrics["training/rollout_kl"] = metrics.pop("actor/rollout_kl")
-            metrics["training/rollout_probs_diff_mean"] = metrics.pop("actor/rollout_probs_diff_mean")
-            metrics["training/rollout_probs_diff_max"] = all_reduce_max(self.mismatch_max).item()
+        metrics |= self._mismatch_metrics(metrics)
         if self.rollout is not None:  # a standalone rollout gets the weights when the driver sends them
             metrics["timing_s/weight_sync"] = self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
@@ -210,8 +210,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         metrics = {"pg_loss": pg_loss.detach()} | {k: v.detach() * share for k, v in pg.items()}
         if "old_log_prob" not in b:
             metrics["entropy"] = (out["entropy"].detach() * mask).sum() / num_tokens.clamp(min=1)
-            if "rollout_log_probs" in b:
-                metrics |= self._on_policy_mismatch(out["log_prob"].detach(), b, num_tokens)
+        if self.mismatch_with is not None:
+            metrics |= self._rollout_mismatch(out["log_prob"].detach(), b, num_tokens)
         loss = pg_loss
         if a.entropy_coeff:
             entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, **counts)
@@ -230,14 +230,48 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             metrics["kl_loss"] = kl.detach()
         return loss, metrics
 
-    def _on_policy_mismatch(self, log_prob: torch.Tensor, b: dict, num_tokens: torch.Tensor) -> dict:
-        """Without an old-log-prob pass the update's own forward is the training engine's π_old: the rollout
-        mismatch (`rollout_mismatch_terms`) from it, as shares that sum over micro-batches and ranks to the means;
-        the maximum is kept in `self.mismatch_max` for `update_actor`."""
-        diff, kl = rollout_mismatch_terms(log_prob, b["rollout_log_probs"], b["response_mask"])
-        self.mismatch_max = torch.maximum(self.mismatch_max, diff.max())
+    def _rollout_column(self, data: DataProto) -> str | None:
+        """The rollout's log-probs that the update's first forward (on the weights the rollout sampled with) is
+        measured against: `rollout_log_probs` where that forward is the training engine's π_old (no old-log-prob
+        pass), `old_log_prob` where it came from the rollout (`actor.old_log_prob_from_rollout`), else None."""
+        if "old_log_prob" not in data.batch:
+            return "rollout_log_probs" if "rollout_log_probs" in data.batch else None
+        return "old_log_prob" if self.config.actor.old_log_prob_from_rollout else None
+
+    def _rollout_mismatch(self, log_prob: torch.Tensor, b: dict, num_tokens: torch.Tensor) -> dict:
+        """The rollout mismatch (`rollout_mismatch_terms`) of the update's first forward, as shares that sum over
+        micro-batches and ranks to the means, and per kind of turn (`turn_masks`) as sums and token counts; the
+        maxima (overall, then per kind) are kept in `self.mismatch_max` for `_mismatch_metrics`."""
+        diff, kl = rollout_mismatch_terms(log_prob, b[self.mismatch_with], b["response_mask"])
+        turns = turn_masks(b["response_mask"], b["attention_mask"][:, -diff.shape[-1] :])
+        maxima = [diff.max()] + [torch.where(turns[kind], diff, 0).max() for kind in TURN_KINDS]
+        self.mismatch_max = torch.maximum(self.mismatch_max, torch.stack(maxima))
         n = num_tokens.clamp(min=1)
-        return {"rollout_probs_diff_mean": diff.sum() / n, "rollout_kl": kl.sum() / n}
+        metrics = {"rollout_probs_diff_mean": diff.sum() / n, "rollout_kl": kl.sum() / n}
+        for kind in TURN_KINDS:
+            metrics[f"rollout_probs_diff_sum/{kind}"] = torch.where(turns[kind], diff, 0).sum()
+            metrics[f"rollout_tokens/{kind}"] = turns[kind].sum().float()
+        return metrics
+
+    def _mismatch_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`training/rollout_*` from `_rollout_mismatch`'s terms in the update's `metrics` (popped); per kind of
+        turn only where a turn was answered by the environment (multi-turn)."""
+        if "actor/rollout_kl" not in metrics:
+            return {}
+        maxima = all_reduce_max(self.mismatch_max).tolist()
+        out = {
+            "training/rollout_kl": metrics.pop("actor/rollout_kl"),
+            "training/rollout_probs_diff_mean": metrics.pop("actor/rollout_probs_diff_mean"),
+            "training/rollout_probs_diff_max": maxima[0],
+        }
+        sums = {kind: metrics.pop(f"actor/rollout_probs_diff_sum/{kind}") for kind in TURN_KINDS}
+        tokens = {kind: metrics.pop(f"actor/rollout_tokens/{kind}") for kind in TURN_KINDS}
+        if tokens["tool_turns"] > 0:
+            for kind, maximum in zip(TURN_KINDS, maxima[1:], strict=True):
+                if tokens[kind] > 0:
+                    out[f"training/rollout_probs_diff_mean/{kind}"] = sums[kind] / tokens[kind]
+                    out[f"training/rollout_probs_diff_max/{kind}"] = maximum
+        return out
 
     def _policy_loss(self, out: dict, b: dict, counts: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The registered `actor.policy_loss`, with truncated importance weights when `actor.rollout_is` is set."""

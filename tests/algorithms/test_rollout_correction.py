@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ketch.algorithms import rollout_is_weights, rollout_mismatch_metrics
+from ketch.algorithms import rollout_is_weights, rollout_mismatch_metrics, turn_masks
 
 # old_log_prob − rollout_log_probs per token: row 0 [0.5, 0, −1], row 1 [0.2, 0.1, masked (9 is ignored)]
 OLD = torch.tensor([[-1.0, -0.5, -2.0], [-1.0, -1.0, 0.0]])
@@ -42,3 +42,34 @@ def test_mismatch_metrics_compare_probabilities_and_estimate_the_kl():
 
 def test_no_valid_token_gives_no_metrics():
     assert rollout_mismatch_metrics(OLD, ROLLOUT, torch.zeros(2, 3)) == {}
+
+
+# Two multi-turn responses: row 0 a tool call (2 tokens), the tool's reply (2 tokens the model did not sample), the
+# answer (2 tokens); row 1 one turn of 3 tokens; then padding.
+TURNS_SAMPLED = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]])
+TURNS_REAL = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]])
+P_TRAIN = torch.tensor([[0.5, 0.4, 1.0, 1.0, 0.9, 0.8], [0.2, 0.7, 0.5, 1.0, 1.0, 1.0]])
+P_ROLLOUT = torch.tensor([[0.4, 0.4, 0.1, 0.1, 0.6, 0.8], [0.2, 0.5, 0.5, 0.1, 0.1, 0.1]])
+
+
+def test_turn_masks_split_the_sampled_tokens_into_answered_turns_and_last_turns():
+    turns = turn_masks(TURNS_SAMPLED, TURNS_REAL)
+    assert turns["tool_turns"].long().tolist() == [[1, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    assert turns["answer_turns"].long().tolist() == [[0, 0, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]]
+
+
+def test_mismatch_metrics_of_multi_turn_responses_are_also_given_per_kind_of_turn():
+    # |p_train - p_rollout| on the sampled tokens: tool turn 0.1, 0; answer turns 0.3, 0 and 0, 0.2, 0
+    metrics = rollout_mismatch_metrics(P_TRAIN.log(), P_ROLLOUT.log(), TURNS_SAMPLED, TURNS_REAL)
+    expected = {"tool_turns": (0.1, 0.05), "answer_turns": (0.3, 0.5 / 5)}
+    for kind, (maximum, mean) in expected.items():
+        assert metrics[f"training/rollout_probs_diff_max/{kind}"] == pytest.approx(maximum, abs=1e-6)
+        assert metrics[f"training/rollout_probs_diff_mean/{kind}"] == pytest.approx(mean, abs=1e-6)
+    assert metrics["training/rollout_probs_diff_mean"] == pytest.approx(0.6 / 7, abs=1e-6)
+    # no turn answered by an environment (single-turn responses): the overall metrics only
+    single = rollout_mismatch_metrics(P_TRAIN.log(), P_ROLLOUT.log(), TURNS_SAMPLED, TURNS_SAMPLED)
+    assert sorted(single) == [
+        "training/rollout_kl",
+        "training/rollout_probs_diff_max",
+        "training/rollout_probs_diff_mean",
+    ]

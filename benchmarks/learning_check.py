@@ -1,0 +1,129 @@
+"""Does the GPU learn as the CPU does? The tool example and the built-in arithmetic run, each with its defaults, from
+an empty cache, in one command (issue 36); on one H200 about 7 minutes (2026-12-01 timings of the parts).
+
+    PYTHONPATH=. python3 benchmarks/learning_check.py --out $OUT/learning_check.json [--device cuda]
+        [--runs tool,arithmetic] [--keep-cache] [--tool-model DIR] [overrides of both runs ...]
+
+`--tool-model` starts the tool example's GRPO from that model instead of its warm-up (a model carried from another
+machine: the same start on both devices).
+
+`tool`: `ketch train --config-path examples/tool_calculator.yaml` (the arithmetic warm-up, the calculator warm-up,
+then GRPO's 100 steps); `arithmetic`: `ketch train` with no arguments (its warm-up is the one `tool` built, taken
+from the same cache). Writes each run's curves by step: the validation accuracy (and, for `tool`, the tool-call and
+tool-error rates), the training reward, the PPO clip fraction, the rollout mismatch (`training/rollout_probs_diff_*`
+overall and per kind of turn, `training/rollout_kl`); the warm-ups' validations (accuracy and loss, from their log
+lines); wall seconds of each part. Prints the same, and each run's accuracy at the start, the best and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from default_run import run_dir, timed, timed_fit
+
+from ketch.config import load_config
+from ketch.config.schema import BUILTIN_MODEL
+from ketch.trainer import builtin
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "tool_calculator.yaml"
+CURVES = {
+    "val_acc": "val/ketch/{task}/acc",
+    "val_tool_call_rate": "val/multi_turn/tool_call_rate",
+    "val_tool_error_rate": "val/multi_turn/tool_error_rate",
+    "score": "critic/score/mean",
+    "pg_clipfrac": "actor/pg_clipfrac",
+    "rollout_kl": "training/rollout_kl",
+    "rollout_probs_diff_mean": "training/rollout_probs_diff_mean",
+    "rollout_probs_diff_max": "training/rollout_probs_diff_max",
+    "rollout_probs_diff_mean_tool_turns": "training/rollout_probs_diff_mean/tool_turns",
+    "rollout_probs_diff_max_tool_turns": "training/rollout_probs_diff_max/tool_turns",
+    "rollout_probs_diff_mean_answer_turns": "training/rollout_probs_diff_mean/answer_turns",
+    "rollout_probs_diff_max_answer_turns": "training/rollout_probs_diff_max/answer_turns",
+}
+VALIDATION = re.compile(r"SFT step (\d+)/\d+: (.*)")
+
+
+class WarmupValidations(logging.Handler):
+    """Collects the warm-ups' validation lines (`SFT step N/M: val/...=x, ...`), by the warm-up running."""
+
+    def __init__(self):
+        super().__init__()
+        self.current, self.by_warmup = "", {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("warming up the built-in tiny model"):
+            self.current = Path(message.rsplit(" ", 1)[-1].rstrip(")")).name
+        match = VALIDATION.match(message)
+        if match and "val/" in match.group(2):
+            values = dict(pair.split("=") for pair in match.group(2).split(", "))
+            kept = {k.split("/")[-1]: float(v) for k, v in values.items() if k == "val/loss" or k.endswith("/acc")}
+            self.by_warmup.setdefault(self.current, []).append({"step": int(match.group(1)), **kept})
+
+
+def curves(records: list[dict], task: str) -> dict[str, dict[int, float]]:
+    out = {}
+    for name, key in CURVES.items():
+        key = key.format(task=task)
+        values = {r["step"]: float(f"{r[key]:.4g}") for r in records if key in r and "step" in r}
+        if values:
+            out[name] = values
+    return out
+
+
+def run(name: str, config, task: str) -> dict:
+    """Both warm-ups of `config`'s model (built where missing, timed), then its training run."""
+    arithmetic = load_config(overrides=[f"model.path={BUILTIN_MODEL}", f"trainer.device={config.trainer.device}"])
+    _, arithmetic_s, _ = timed(builtin.resolve_model_path, arithmetic)
+    _, model_s, _ = timed(builtin.resolve_model_path, config)
+    records, timing = timed_fit(config, name)
+    result = {"arithmetic_warmup_wall_s": round(arithmetic_s, 1), "model_warmup_wall_s": round(model_s, 1)}
+    result |= timing | curves(records, task)
+    acc = list(result.get("val_acc", {}).values())
+    if acc:
+        result["acc_start_best_end"] = [acc[0], max(acc), acc[-1]]
+    print(f"== {name}: accuracy start/best/end {result.get('acc_start_best_end')}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--runs", default="tool,arithmetic", help="which runs, comma-separated")
+    parser.add_argument("--keep-cache", action="store_true", help="use the ketch cache as it is (warm-ups built)")
+    parser.add_argument("--tool-model", help="start the tool example's GRPO from this model, not its warm-up")
+    parser.add_argument("overrides", nargs="*", help="config overrides of both runs, as for ketch train")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("ketch").setLevel(logging.INFO)
+    validations = WarmupValidations()
+    logging.getLogger("ketch").addHandler(validations)
+    runs = run_dir("ketch-learning-check-", empty_cache=not args.keep_cache)
+    common = [f"trainer.device={args.device}", f"trainer.default_local_dir={runs}", *args.overrides]
+    start = time.perf_counter()
+    result = {"device": args.device, "overrides": args.overrides, "runs": {}}
+    for name in args.runs.split(","):
+        if name == "tool":
+            model = [f"model.path={args.tool_model}"] if args.tool_model else []
+            config, task = load_config(str(CONFIG), overrides=[*common, *model]), "calculator"
+        else:
+            config, task = load_config(overrides=common), "arithmetic"
+        result["runs"][name] = run(name, config, task)
+    result["warmup_validations"] = validations.by_warmup
+    result["total_wall_s"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
