@@ -70,7 +70,7 @@ CALCULATOR_WARMUP_OVERRIDES = (
     "actor.optim.warmup_steps=30",
     "actor.optim.lr_scheduler=cosine",
     "actor.optim.min_lr_ratio=0.2",
-    "trainer.total_steps=800",
+    "trainer.total_steps=1600",
     "trainer.test_freq=25",
     "trainer.log_interval=25",
     "trainer.seed=0",
@@ -86,6 +86,13 @@ is low: from 0.09 and 0.17 GRPO gained 20-34 points, from models at 0.26-0.36 it
 (benchmarks/results/2026-12-01_cpu_tool_calculator_grpo_gain.json)."""
 
 CALCULATOR_WARMUP_TARGET = 0.2
+CALCULATOR_WARMUP_FLOOR = 0.04
+"""The least accuracy the calculator warm-up ends with: copying has begun. Before it, GRPO's groups of 8 are
+almost all scored 0 and it learns nothing (0.0 -> 0.0 in 50 steps on the CPU and on an H200 from one such model,
+benchmarks/results/2026-12-03_h200_cpu_tool_calculator_same_start.json). When copying begins depends on rounding:
+at SFT step 325-400 of a one-thread CPU run, 475-600 on an H200 in float32, 800-950 with two threads (0.0 at step
+800 of the former 800-step schedule, which ended there). The warm-up runs up to 1600 steps to reach it: with two
+threads it kept step 950 at 0.125."""
 
 
 @dataclass(frozen=True)
@@ -102,15 +109,16 @@ class Warmup:
     metric: str
     target: float
     start: str | None = None
+    floor: float = 0.0
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether the validation `metrics` of a step are above the bound (the warm-up's `stop_when`)."""
         return metrics.get(self.metric, 0.0) > self.target
 
     def kept(self, metrics: dict[str, float]) -> bool:
-        """Whether the model of a validation is the result so far (the warm-up's `keep_when`): every one at or
-        below the target is, so the result is the last one before the stop."""
-        return metrics.get(self.metric, math.inf) <= self.target
+        """Whether the model of a validation is the result so far (the warm-up's `keep_when`): every one from
+        the floor up to the target is, so the result is the last one before the stop."""
+        return self.floor <= metrics.get(self.metric, math.inf) <= self.target
 
 
 WARMUPS = {
@@ -121,6 +129,7 @@ WARMUPS = {
         f"val/{CALCULATOR_DATA_SOURCE}/acc",
         CALCULATOR_WARMUP_TARGET,
         start=BUILTIN_MODEL,
+        floor=CALCULATOR_WARMUP_FLOOR,
     ),
 }
 """The built-in models by `model.path`."""
@@ -151,7 +160,7 @@ def _settings_hash(warmup: Warmup) -> str:
     settings = {
         "task": warmup.task_hash,
         "model": model.to_dict(),
-        "warmup": [warmup.overrides, warmup.target],
+        "warmup": [warmup.overrides, warmup.target] + ([warmup.floor] if warmup.floor else []),
         "format": _FORMAT_VERSION,
     }
     if warmup.start:
@@ -174,8 +183,9 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
         sft.fit(stop_when=warmup.reached, keep_when=warmup.kept)
         if not (tmp / "warmup" / "model" / "config.json").is_file():
             raise RuntimeError(
-                f"the warm-up's first validation was already above {warmup.metric}={warmup.target}, so it kept no "
-                "model; validate more often (trainer.test_freq of the warm-up)"
+                f"the warm-up of {target.name} kept no model: none of its validations had {warmup.metric} from "
+                f"{warmup.floor} to {warmup.target} (its log lines show them); validate more often or train longer "
+                "(trainer.test_freq, trainer.total_steps of the warm-up)"
             )
         if not (target / "config.json").is_file():
             shutil.rmtree(target, ignore_errors=True)
