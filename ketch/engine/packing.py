@@ -142,7 +142,7 @@ def packed_attention(
     """transformers' attention signature: `query` `[1, heads, T, head_dim]`, `key`/`value` `[1, kv_heads, T,
     head_dim]` -> `[1, T, heads, head_dim]`, causal within each sequence of `cu_seq_lens_q` and, in a layer with a
     `sliding_window`, over that many tokens (the query's own included). Attention logit soft-capping is not
-    supported: `ketch.models.architecture` keeps such models padded. With a `sequence_parallel_group`, the inputs
+    supported: `ketch.architecture` keeps such models padded. With a `sequence_parallel_group`, the inputs
     hold this rank's slice of the row's tokens and the attention runs over all of them with this rank's share of
     the heads (`ketch.engine.sequence_parallel`)."""
     if cu_seq_lens_q is None or softcap is not None:

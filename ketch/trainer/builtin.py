@@ -81,8 +81,9 @@ CALCULATOR_WARMUP_OVERRIDES = (
 the tool in the loop. The call format is learned in ~100 steps; copying the operands into the call and the tool's
 result into the answer comes slowly, and then accuracy climbs steeply (0.06 → 0.17 → 0.26 over steps 325-400 of
 a one-thread run). Like the arithmetic warm-up it ends at the last validation at or below
-CALCULATOR_WARMUP_TARGET, validating every 25 steps, so that GRPO starts where copying has begun but accuracy
-is low: from 0.09 and 0.17 GRPO gained 20-34 points, from models at 0.26-0.36 it levelled off 9-14 points higher
+CALCULATOR_WARMUP_TARGET (and, unlike it, at or above CALCULATOR_WARMUP_FLOOR), validating every 25 steps, so
+that GRPO starts where copying has begun but accuracy is low: from 0.09 and 0.17 GRPO gained 20-34 points, from
+models at 0.26-0.36 it levelled off 9-14 points higher
 (benchmarks/results/2026-12-01_cpu_tool_calculator_grpo_gain.json)."""
 
 CALCULATOR_WARMUP_TARGET = 0.2
@@ -99,7 +100,7 @@ threads it kept step 950 at 0.125."""
 class Warmup:
     """How a built-in model is made: a short SFT of the tiny model (or of the built-in model `start`) whose
     result stays under `target` of `metric` (an accuracy): the SFT stops at the first validation above it and
-    the result is the model of the validation before (the last at or below it). On the steep part of the SFT
+    the result is the model of the last validation from `floor` up to it. On the steep part of the SFT
     curve greedy accuracy jumps by several points between validations and falls back by a few: the last model
     under the bound is the most trained one, and RL learned faster from it than from an earlier model whose
     accuracy was closer to the bound (benchmarks/results/2026-12-01_cpu_default_run_0.6.json)."""
@@ -160,6 +161,7 @@ def _settings_hash(warmup: Warmup) -> str:
     settings = {
         "task": warmup.task_hash,
         "model": model.to_dict(),
+        # a floor of 0 (the arithmetic warm-up's) is left out: that model keeps the key it had before floors
         "warmup": [warmup.overrides, warmup.target] + ([warmup.floor] if warmup.floor else []),
         "format": _FORMAT_VERSION,
     }
