@@ -11,8 +11,8 @@ per `stop_every` sampled tokens on a random model: lengths spread geometrically,
 reasoning model's do) and the reward pays for stopping early; `stop_every` is `STOP_EVERY`, or a quarter of the
 response length for longer ones (a mean of about a quarter, 2% of the responses at the limit).
 `--response-length N` sets the responses' length (the limit, for `variable`), e.g. 8192 to 32768 for long
-reasoning responses: with `--prompts 16 --n 4` and `model.gradient_checkpointing=true`, one H200 (see the issue's
-commands in docs/benchmarks.md).
+reasoning responses: with `--prompts 16 --n 4` and `--set model.gradient_checkpointing=true` on one H200
+(docs/benchmarks.md, "Long responses on one H200").
 `--lora-rank 64` trains LoRA adapters of that rank on every linear layer (`actor.lora`, and `critic.lora` with
 `--variant ppo`) instead of the whole model, the base kept in the rollout's dtype; the reference is then the actor
 with its adapters off, and the update's MFU counts 4 x parameters x tokens (forward and the activations' gradients;
