@@ -51,6 +51,36 @@ def test_shape_buckets_give_the_same_greedy_tokens_and_log_probs(tiny_model_dir)
     assert out[False][1].min() < -1  # real log-probs
 
 
+def test_rows_left_unfinished_move_into_a_smaller_shape_and_keep_their_log_probs(tiny_model_dir):
+    """8 sampled rows that stop on 3 of 100 tokens: with 16 or more tokens to go, once half the rows have finished
+    the others move into the first 4 (then 2) rows of the same memory; each row's tokens up to its stop token keep the
+    log-probs a fresh forward of the whole sequence gives them, and the pad token follows. With the default
+    (`COMPACT_REMAINING`, 512 tokens) 64-token responses never compact."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model, reference = (load_causal_lm(str(tiny_model_dir), torch.float32).eval() for _ in range(2))
+    input_ids = torch.randint(4, 60, (8, 6), generator=torch.Generator().manual_seed(0))
+    args = (input_ids, torch.ones_like(input_ids), 64, Sampling(do_sample=True), [5, 9, 17])
+    torch.manual_seed(0)
+    decoder = StaticDecoder(model, compile_step=False, buckets=True, compact_remaining=16)
+    tokens, log_probs = decoder.generate(*args, pad_token_id=0)
+    assert sorted(decoder.caches[(8, 128)].fronts) == [2, 4]
+    lengths = (log_probs != 0).sum(1)
+    assert lengths.tolist() == [6, 35, 14, 52, 42, 7, 64, 18]
+    with torch.no_grad():
+        logits = reference(torch.cat([input_ids, tokens], 1)).logits[:, 5:-1].log_softmax(-1)
+    expected = logits.gather(-1, tokens[:, :, None]).squeeze(-1)
+    filled = torch.arange(64) < lengths[:, None]
+    torch.testing.assert_close(log_probs[filled], expected[filled], atol=1e-5, rtol=0)
+    stopped = tokens.gather(1, (lengths - 1)[:, None]).squeeze(1)
+    assert all(s in (5, 9, 17) for s, n in zip(stopped.tolist(), lengths.tolist(), strict=True) if n < 64)
+    assert not tokens[~filled].any()
+    default = StaticDecoder(model, compile_step=False, buckets=True)
+    default.generate(*args, pad_token_id=0)
+    assert default.caches[(8, 128)].fronts == {}
+
+
 def greedy_case(tiny_model_dir):
     from ketch.models import load_causal_lm
 

@@ -21,6 +21,7 @@ one graph replay and no other launch. With shape buckets, a KV cache has room fo
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from functools import cache, partial
@@ -46,9 +47,17 @@ CHECK_EVERY = 16
 """Decode steps between the host's checks whether every row has met a stop token."""
 PROMPT_BUCKET = 64
 """With shape buckets, prompts are left-padded to a multiple of this many tokens."""
+COMPACT_REMAINING = 512
+"""With shape buckets, a batch whose unfinished rows fit in half its rows moves them into the next smaller shape
+(`StaticDecoder._compact`) when at least this many tokens may still come: long responses whose lengths spread
+stop paying for the rows that have finished; a short response's tail is not worth compiling another shape."""
 RECOMPILE_LIMIT = 64
 """Graphs that dynamo keeps per function before it runs new shapes eagerly (8 by default), where the decode
 block is compiled with torch.compile itself (a backend object, not saved): every decode shape adds one."""
+
+
+ROW_BUFFERS = ("tokens", "positions", "mask", "responses", "log_probs", "done")
+"""The per-row decode state of `DecodeBuffers` besides the KV cache: its first dimension is the row."""
 
 
 def _decode_block(block: nn.Module, *args, **kwargs):
@@ -85,6 +94,33 @@ class DecodeBuffers:
         self.seed = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.fronts: dict[int, DecodeBuffers] = {}
+
+    def front(self, rows: int) -> DecodeBuffers:
+        """The first `rows` rows of these buffers as buffers of their own: views of the same memory, the same `slot`
+        and `seed`, CUDA graphs of their own (kept here, for the next batch that compacts into them)."""
+        if rows not in self.fronts:
+            view = copy.copy(self)
+            for name in ROW_BUFFERS:
+                setattr(view, name, getattr(self, name)[:rows])
+            view.mask4d = view.mask[:, None, None, :]
+            view.kv = [(keys[:rows], values[:rows]) for keys, values in self.kv]
+            view.graphs, view.fronts = {}, {}
+            self.fronts[rows] = view
+        return self.fronts[rows]
+
+    def move_rows(self, rows: torch.Tensor, into: DecodeBuffers) -> None:
+        """Copy rows `rows` `[n]` of every per-row buffer into `into` (a front of the same memory), in order."""
+        pairs = [(getattr(self, name), getattr(into, name)) for name in ROW_BUFFERS]
+        pairs += [pair for kv_pair in zip(self.kv, into.kv, strict=True) for pair in zip(*kv_pair, strict=True)]
+        for source, target in pairs:
+            target.copy_(source.index_select(0, rows))  # through a copy: source and target share memory
+
+    def clear_graphs(self) -> None:
+        """Drop the CUDA graphs of these buffers and of their fronts (captured on weights that have moved)."""
+        self.graphs.clear()
+        for view in self.fronts.values():
+            view.graphs.clear()
 
     def use(self, attentions: list[nn.Module]) -> None:
         """Point each block's attention module at its KV cache here."""
@@ -124,12 +160,15 @@ class StaticDecoder:
         buckets: bool | None = None,
         backend: str = "inductor",
         longest_prompt: int = 0,
+        compact_remaining: int = COMPACT_REMAINING,
     ):
         """`compile_step` compiles each transformer block (one graph shared by all, `backend` is torch.compile's)
         and on CUDA captures the decode step into a CUDA graph per shape; `buckets` (default: when compiling)
         rounds batch shapes up so that few shapes are compiled and captured, and sizes every KV cache for a prompt
-        of `longest_prompt` tokens or more."""
+        of `longest_prompt` tokens or more, and compacts a batch whose unfinished rows fit in half its rows with at
+        least `compact_remaining` tokens to go (`COMPACT_REMAINING`)."""
         self.model = model
+        self.compact_remaining = compact_remaining
         self.buckets = compile_step if buckets is None else buckets
         self.longest_prompt = -(-longest_prompt // PROMPT_BUCKET) * PROMPT_BUCKET if self.buckets else 0
         problem = static_decoding_problem(model)
@@ -201,7 +240,7 @@ class StaticDecoder:
         if weights != self.weights:  # a CUDA graph reads the weights where they were at its capture
             self.weights = weights
             for other in self.caches.values():
-                other.graphs.clear()
+                other.clear_graphs()
         return buffers
 
     def _record(self, b: DecodeBuffers, logits: torch.Tensor, sampling: Sampling, is_stop: torch.Tensor, pad: int):
@@ -308,10 +347,19 @@ class StaticDecoder:
         prompt_s = _finished(device) - start if timed else 0.0
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         self._record(b, logits, sampling, is_stop, pad_token_id)
+        root, rows = b, torch.arange(batch, device=device)  # rows: the batch's row in each row of `b`
+        out = (b.responses, b.log_probs)
         for t in range(1, min(max_new_tokens, stop_after or max_new_tokens)):
-            if t % CHECK_EVERY == 0 and bool(b.done.all()):
-                break
+            if t % CHECK_EVERY == 0:
+                unfinished = (~b.done).nonzero().squeeze(1)
+                if len(unfinished) == 0:
+                    break
+                if self._compacts(len(unfinished), len(b.done), max_new_tokens - t):
+                    out = self._save_rows(b, rows, out)
+                    b, rows = self._compact(root, b, unfinished), rows[unfinished]
             self._decode(b, sampling, is_stop, pad_token_id)
+        if b is not root:
+            out = self._save_rows(b, rows, out)
         if timed:
             logger.info(
                 "first decode of %d rows x %d tokens took %.2f s (its prompt %.2f s)",
@@ -321,7 +369,31 @@ class StaticDecoder:
             )
         self.seen.add(shape)
         end = prompt_len + max_new_tokens
-        return b.responses[:, prompt_len:end].clone(), b.log_probs[:, prompt_len:end].clone()
+        return out[0][:, prompt_len:end].clone(), out[1][:, prompt_len:end].clone()
+
+    def _compacts(self, unfinished: int, rows: int, remaining: int) -> bool:
+        """Whether a batch of `rows` rows with `unfinished` rows left and up to `remaining` tokens to go compacts."""
+        return self.buckets and unfinished <= rows // 2 and remaining >= self.compact_remaining
+
+    def _compact(self, root: DecodeBuffers, b: DecodeBuffers, unfinished: torch.Tensor) -> DecodeBuffers:
+        """Rows `unfinished` `[n]` of `b` moved into the first rows of `root`'s memory, as the buffers of the next
+        power of two rows (`root.front`), whose other rows repeat the first of them, finished."""
+        size = 1 << (len(unfinished) - 1).bit_length()
+        small = root.front(size)
+        b.move_rows(torch.cat([unfinished, unfinished[:1].expand(size - len(unfinished))]), small)
+        small.done[len(unfinished) :] = True
+        small.use(self.attentions)
+        return small
+
+    @staticmethod
+    def _save_rows(b: DecodeBuffers, rows: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]):
+        """`out` (responses and log-probs `[batch, length]`, or `b`'s own before a compaction) with `b`'s first
+        `len(rows)` rows written at the batch rows `rows`."""
+        if out[0] is b.responses:
+            out = (b.responses.clone(), b.log_probs.clone())
+        out[0][rows] = b.responses[: len(rows)]
+        out[1][rows] = b.log_probs[: len(rows)]
+        return out
 
     def _stop_table(self, stop_token_ids: list[int], vocab: int, device: torch.device) -> torch.Tensor:
         """`[vocab]` bool, True at the stop tokens: one lookup per step, however many stop tokens there are."""
