@@ -10,6 +10,8 @@ sampling from the `[rows, vocab]` logits as compiled torch against ketch's Trito
 Triton kernels' launch settings (attention blocks, warps and stages; the sampler's chunk size). Strong scaling
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
 `--model qwen3-0.6b` decodes the Qwen3-0.6B shape instead, and `--unfused` keeps the layers' own projections.
+`--long-tail N` also decodes responses whose lengths spread up to N tokens (`rl_step.py --workload variable`'s
+stop tokens), the whole batch to its longest row against the unfinished rows compacted into smaller shapes.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
 """
@@ -26,14 +28,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from rl_step import SCALES, qwen2_config, random_model
+from rl_step import SCALES, qwen2_config, random_model, stop_every
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.rollout import fused_projections
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.static_decoding import COMPACT_REMAINING, Sampling, StaticDecoder
 
 S = SCALES["full"]
 
@@ -209,6 +211,27 @@ def benchmark_model(name: str) -> torch.nn.Module:
     return Qwen3ForCausalLM(config).to(torch.bfloat16).cuda().eval()
 
 
+def long_tail(decoder: StaticDecoder, rows: int, length: int) -> dict:
+    """One generation of `rows` rows whose lengths spread up to `length` (the stop tokens of `rl_step.py
+    --workload variable`), decoding the whole batch to its longest row and compacting the unfinished rows into
+    smaller shapes (the default, `COMPACT_REMAINING`): each run once to compile and capture its shapes, then timed."""
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(3, S["vocab"], (rows, S["prompt_len"]), generator=g).cuda()
+    stops = list(range(3, S["vocab"], stop_every(length)))
+    record = {"rows": rows, "length": length}
+    for name, remaining in (("whole_batch", 10**9), ("compacted", COMPACT_REMAINING)):
+        decoder.compact_remaining = remaining
+        for _ in range(2):
+            torch.manual_seed(0)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            _, log_probs = decoder.generate(ids, torch.ones_like(ids), length, Sampling(True), stops, pad_token_id=0)
+            torch.cuda.synchronize()
+        seconds, new_tokens = time.perf_counter() - start, int((log_probs != 0).sum())
+        record[name] = {"s": round(seconds, 2), "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / seconds)}
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128])
@@ -219,6 +242,9 @@ def main() -> None:
     parser.add_argument("--model", choices=["qwen2.5-0.5b", "qwen3-0.6b"], default="qwen2.5-0.5b")
     parser.add_argument(
         "--unfused", action="store_true", help="keep the layers' own q/k/v and gate/up projections (before fusing)"
+    )
+    parser.add_argument(
+        "--long-tail", type=int, help="also decode responses spread up to this many tokens, with and without compaction"
     )
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -237,6 +263,8 @@ def main() -> None:
             }
         if args.sweep:
             record["sweep"] = sweep(rows)
+        if args.long_tail:
+            record["long_tail"] = long_tail(decoder, rows, args.long_tail)
         print(json.dumps(record), flush=True)
         results["by_rows"].append(record)
     if args.out:
