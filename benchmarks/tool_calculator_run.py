@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python3 benchmarks/tool_calculator_run.py --empty-cache --out benchmarks/results/x.json [overrides]
 
-With `--empty-cache` the built-in data and both built-in models (`builtin:tiny-arithmetic`, then
-`builtin:tiny-calculator` from it) are built afresh in a temporary cache, as on a fresh clone. Prints and
-writes: wall and CPU seconds of each warm-up and of the GRPO run, the median seconds of each step stage, the
+With `--empty-cache` the built-in data and the built-in models (`builtin:tiny-arithmetic`, then
+`builtin:tiny-calculator-calls` and `builtin:tiny-calculator` from it) are built afresh in a temporary cache, as on
+a fresh clone. Prints and writes: wall and CPU seconds of the arithmetic warm-up, of the two calculator warm-ups
+together and of the GRPO run, the median seconds of each step stage, the
 greedy validation accuracy, tool-call rate and tool error rate at every validation, torch's thread count and
 the machine's load average (the figures are only comparable on an otherwise idle machine).
 """

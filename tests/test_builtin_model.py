@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ketch.config import load_config
-from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_MODEL
+from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_CALLER_MODEL, BUILTIN_MODEL
+from ketch.data.builtin.calculator import CalculatorTask, demonstration, generate_calculator_task
 from ketch.trainer.builtin import WARMUPS, resolve_model_path
 from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.sft import SFTTrainer
@@ -38,16 +39,23 @@ def test_the_arithmetic_warm_up_stops_above_its_target_and_keeps_the_model_of_th
     assert warmup.kept({ACC: 0.2}) and not warmup.reached({ACC: 0.2})  # the target itself is under the bound
 
 
-def test_the_calculator_warm_up_keeps_the_last_model_from_its_floor_to_its_bound():
-    warmup = WARMUPS[BUILTIN_CALCULATOR_MODEL]
-    assert (warmup.floor, warmup.target) == (0.04, 0.2)
-    # A one-thread warm-up's validations at SFT steps 275-400 (measured): the model of step 375 (0.172) is the
-    # result, the last one on the steep part of the curve that is still under the bound. Those under the floor
-    # (copying has not begun: GRPO learns nothing from them) are never the result.
-    accuracies = [0.0, 0.055, 0.062, 0.016, 0.172, 0.258]
-    calculator_acc = "val/ketch/calculator/acc"
-    assert [warmup.kept({calculator_acc: acc}) for acc in accuracies] == [False, True, True, False, True, False]
-    assert [warmup.reached({calculator_acc: acc}) for acc in accuracies] == [False] * 5 + [True]
+def test_the_calculator_model_is_two_fixed_length_warm_ups_calls_then_the_mix():
+    calls, mixed = WARMUPS[BUILTIN_CALLER_MODEL], WARMUPS[BUILTIN_CALCULATOR_MODEL]
+    assert (calls.start, calls.target, mixed.start, mixed.target) == (BUILTIN_MODEL, None, BUILTIN_CALLER_MODEL, None)
+    assert "data.train_files=[builtin:calculator/train]" in calls.overrides
+    assert "data.train_files=[builtin:calculator/mixed]" in mixed.overrides
+    assert ("trainer.total_steps=1400" in calls.overrides, "trainer.total_steps=200" in mixed.overrides) == (True, True)
+
+
+def test_the_mixed_calculator_split_has_the_training_problems_a_share_of_them_with_the_call():
+    task = CalculatorTask(num_train=400, num_val=8)
+    splits = generate_calculator_task(task)
+    assert [r["prompt"] for r in splits["mixed"]] == [r["prompt"] for r in splits["train"]]
+    calls = [r for r in splits["mixed"] if len(r["response"]) == 3]
+    assert len(calls) == 117  # of 400 at call_share 0.3
+    assert all(r["response"] == demonstration(*map(int, r["prompt"][0]["content"][:-1].split("*"))) for r in calls)
+    direct = next(r for r in splits["mixed"] if len(r["response"]) == 1)
+    assert direct["response"] == [{"role": "assistant", "content": f"#### {direct['answer']}"}]
 
 
 def test_sft_keep_when_makes_the_last_kept_step_the_result(tiny_config):

@@ -12,6 +12,7 @@ from typing import Any, Literal
 BUILTIN_TASK = "builtin:arithmetic"
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
 BUILTIN_CALCULATOR_MODEL = "builtin:tiny-calculator"
+BUILTIN_CALLER_MODEL = "builtin:tiny-calculator-calls"
 BUILTIN_PREFERENCE_TASK = "builtin:arithmetic-preference"
 
 COMMAND_DEFAULTS: dict[str, tuple[str, ...]] = {

@@ -1,10 +1,8 @@
-"""Learning test of the tool task's warm-up (slow: the built-in arithmetic model, shared with
-tests/test_learning.py, then SFT steps until the calls appear). SFT on the calculator demonstrations teaches the
+"""Learning test of the tool task's first warm-up (slow: the built-in arithmetic model, shared with
+tests/test_learning.py, then SFT steps until the calls appear). SFT on the call demonstrations teaches the
 arithmetic model the call format, checked greedily with the tool in the loop: a broken demonstration layout,
 turn loop, tool environment or mask leaves the call rate at 0. GRPO's gain on top is recorded in
-benchmarks/results (`tool_calculator_run.py`), not asserted here: within a test's budget it depends on where
-the warm-up stops (a GRPO stage of 10 steps raised the share of calls that ran by 0.11, 0.14 and 0.03 from
-three warm-ups)."""
+benchmarks/results (`tool_calculator_run.py`), not asserted here: it needs both warm-ups in full."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import pytest
 
 from ketch.config import load_config
 from ketch.tracking import read_metrics
-from ketch.trainer.builtin import CALCULATOR_WARMUP_OVERRIDES, resolve_model_path
+from ketch.trainer.builtin import CALLER_WARMUP_OVERRIDES, resolve_model_path
 from ketch.trainer.sft import SFTTrainer
 
 CALL_RATE = "val/multi_turn/tool_call_rate"
@@ -24,7 +22,7 @@ def test_sft_teaches_the_call_format_with_the_tool_in_the_loop(tmp_path):
     common += ["data.max_samples=64", "trainer.seed=0"]  # 64 training and 64 validation problems
     arithmetic = resolve_model_path(load_config(overrides=common))
     sft_run = ["trainer.total_steps=100", "trainer.test_freq=10", "trainer.experiment_name=sft"]
-    sft = SFTTrainer(load_config(overrides=[*CALCULATOR_WARMUP_OVERRIDES, *common, *sft_run]), model_path=arithmetic)
+    sft = SFTTrainer(load_config(overrides=[*CALLER_WARMUP_OVERRIDES, *common, *sft_run]), model_path=arithmetic)
     sft.fit(stop_when=lambda m: m[CALL_RATE] >= 0.5)
     curve = [r for r in read_metrics(sft.run_dir / "metrics.jsonl") if CALL_RATE in r]
     # Measured (seed 0, 2 CPU cores, two builds of the arithmetic model): no call through SFT step 60; at step 70

@@ -5,15 +5,20 @@ from __future__ import annotations
 from ketch.config.schema import BUILTIN_PREFERENCE_TASK, BUILTIN_TASK
 from ketch.data.builtin.arithmetic import SPLITS, ArithmeticTask, builtin_task_files
 from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, builtin_calculator_files
+from ketch.data.builtin.calculator import SPLITS as CALCULATOR_SPLITS
 from ketch.data.builtin.preference import PREFERENCE_SPLITS, PreferenceTask, builtin_preference_files
 
-BUILTIN_SPLITS = {BUILTIN_TASK: SPLITS, BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS, BUILTIN_CALCULATOR_TASK: SPLITS}
+BUILTIN_SPLITS = {
+    BUILTIN_TASK: SPLITS,
+    BUILTIN_PREFERENCE_TASK: PREFERENCE_SPLITS,
+    BUILTIN_CALCULATOR_TASK: CALCULATOR_SPLITS,
+}
 """The built-in data sets and their splits."""
 
 
 def resolve_data_files(files: list[str], task: ArithmeticTask | None = None) -> list[str]:
     """`files` with `builtin:arithmetic/{train,val}`, `builtin:arithmetic-preference/{sft,train,val}` and
-    `builtin:calculator/{train,val}` replaced by cached Parquet paths (generated on first use).
+    `builtin:calculator/{train,mixed,val}` replaced by cached Parquet paths (generated on first use).
 
     Other entries pass through unchanged. `task` gives the generator settings (default: `ArithmeticTask()`).
     """
