@@ -7,7 +7,7 @@ an empty cache, in one command (issue 36); on one H200 about 7 minutes (2026-12-
 `--tool-model` starts the tool example's GRPO from that model instead of its warm-up (a model carried from another
 machine: the same start on both devices).
 
-`tool`: `ketch train --config-path examples/tool_calculator.yaml` (the arithmetic warm-up, the calculator warm-up,
+`tool`: `ketch train --config-path examples/tool_calculator.yaml` (the arithmetic warm-up, both calculator warm-ups,
 then GRPO's 100 steps); `arithmetic`: `ketch train` with no arguments (its warm-up is the one `tool` built, taken
 from the same cache). Writes each run's curves by step: the validation accuracy (and, for `tool`, the tool-call and
 tool-error rates), the training reward, the PPO clip fraction, the rollout mismatch (`training/rollout_probs_diff_*`

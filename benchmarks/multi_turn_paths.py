@@ -6,8 +6,9 @@
 (On a CPU, `--device cpu model.dtype=bfloat16 model.use_remove_padding=true rollout.hf_decoding=static` runs the
 GPU's paths where the CPU has them.)
 
-On the tool example's model (`builtin:tiny-calculator`, built into the cache first where missing, or `--model`) and
-settings (examples/tool_calculator.yaml), the actor and its hf rollout are built four times:
+On the tool example's first warm-up model (`builtin:tiny-calculator-calls`, which calls the tool greedily; built
+into the cache first where missing, or `--model`) and the example's settings (examples/tool_calculator.yaml), the
+actor and its hf rollout are built four times:
 
   gpu         the device's defaults (on CUDA: bfloat16, packed forwards, compiled blocks, the compiled static decoder)
   gpu_padded  as gpu, with padded training forwards (model.use_remove_padding=false)
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.algorithms import turn_masks
 from ketch.config import derive_batch_plan, load_config
+from ketch.config.schema import BUILTIN_CALLER_MODEL
 from ketch.controller import LocalWorkerGroup
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.engine.packing import VARLEN_PARAMETERS, packed_attention
@@ -81,14 +83,15 @@ CLIP = 0.2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="the model (default: builtin:tiny-calculator, built where missing)")
+    parser.add_argument("--model", help="the model (default: builtin:tiny-calculator-calls, built where missing)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides of gpu, gpu_padded and gpu_eager")
     args = parser.parse_args()
     runs = tempfile.mkdtemp(prefix="ketch-paths-")
     base = [f"trainer.device={args.device}", f"trainer.default_local_dir={runs}", "trainer.logger=[jsonl]"]
-    model = args.model or builtin.resolve_model_path(load_config(str(CONFIG), overrides=base))
+    calls = load_config(str(CONFIG), overrides=[*base, f"model.path={BUILTIN_CALLER_MODEL}"])
+    model = args.model or builtin.resolve_model_path(calls)
     # lr 1e-12: the updates below record gradients and leave the weights as they are
     common = [*base, f"model.path={model}", "actor.optim.lr=1e-12", "trainer.seed=0"]
     configs = {
@@ -251,8 +254,8 @@ def update_check(groups: dict, data: DataProto) -> dict:
 
 
 def sft_check(groups: dict, config, tokenizer) -> dict:
-    """Loss and gradient cosine (with reference's) of one SFT step on 32 of the warm-up's demonstrations."""
-    c = load_config(overrides=[*builtin.CALCULATOR_WARMUP_OVERRIDES, f"model.path={config.model.path}"])
+    """Loss and gradient cosine (with reference's) of one SFT step on 32 of the first warm-up's demonstrations."""
+    c = load_config(overrides=[*builtin.CALLER_WARMUP_OVERRIDES, f"model.path={config.model.path}"])
     stop, tools = turn_stop_strings(c, tokenizer), tool_schemas(c)
     dataset = SFTDataset(resolve_data_files(c.data.train_files), tokenizer, c.data, turn_stop=stop, tools=tools)
     data = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(32)]))

@@ -115,7 +115,7 @@ class Warmup:
     """How a built-in model is made: a short SFT of the tiny model (or of the built-in model `start`). Without a
     `target` it runs all its steps and the result is the last step's model. With one, the result stays under
     `target` of `metric` (an accuracy): the SFT stops at the first validation above it and the result is the model
-    of the last validation from `floor` up to it. On the steep part of the SFT curve greedy accuracy jumps by
+    of the last validation at or under it. On the steep part of the SFT curve greedy accuracy jumps by
     several points between validations and falls back by a few: the last model under the bound is the most
     trained one, and RL learned faster from it than from an earlier model whose accuracy was closer to the bound
     (benchmarks/results/2026-12-01_cpu_default_run_0.6.json)."""
@@ -125,16 +125,15 @@ class Warmup:
     metric: str
     target: float | None = None
     start: str | None = None
-    floor: float = 0.0
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether the validation `metrics` of a step are above the bound (the warm-up's `stop_when`)."""
         return metrics.get(self.metric, 0.0) > self.target
 
     def kept(self, metrics: dict[str, float]) -> bool:
-        """Whether the model of a validation is the result so far (the warm-up's `keep_when`): every one from
-        the floor up to the target is, so the result is the last one before the stop."""
-        return self.floor <= metrics.get(self.metric, math.inf) <= self.target
+        """Whether the model of a validation is the result so far (the warm-up's `keep_when`): every one up to
+        the target is, so the result is the last one before the stop."""
+        return metrics.get(self.metric, math.inf) <= self.target
 
 
 WARMUPS = {
@@ -180,8 +179,7 @@ def _settings_hash(warmup: Warmup) -> str:
     settings = {
         "task": warmup.task_hash,
         "model": model.to_dict(),
-        # a floor of 0 (the arithmetic warm-up's) is left out: that model keeps the key it had before floors
-        "warmup": [warmup.overrides, warmup.target] + ([warmup.floor] if warmup.floor else []),
+        "warmup": [warmup.overrides, warmup.target],
         "format": _FORMAT_VERSION,
     }
     if warmup.start:
@@ -207,8 +205,8 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
             sft.fit(stop_when=warmup.reached, keep_when=warmup.kept)
         if not (tmp / "warmup" / "model" / "config.json").is_file():
             raise RuntimeError(
-                f"the warm-up of {target.name} kept no model: none of its validations had {warmup.metric} from "
-                f"{warmup.floor} to {warmup.target} (its log lines show them); validate more often or train longer "
+                f"the warm-up of {target.name} kept no model: none of its validations had {warmup.metric} at or "
+                f"under {warmup.target} (its log lines show them); validate more often or train longer "
                 "(trainer.test_freq, trainer.total_steps of the warm-up)"
             )
         if not (target / "config.json").is_file():
