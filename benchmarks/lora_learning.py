@@ -71,16 +71,17 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides of both runs, as for ketch train")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ketch-lora-learning-"))
-    common = [
-        f"model.path={args.model}", *write_task(work), "data.train_batch_size=32", "actor.ppo_mini_batch_size=32",
-        "data.max_prompt_length=64", "data.max_response_length=48", "rollout.n=8", "algorithm.adv_estimator=grpo",
+    settings = [
+        "data.train_batch_size=32", "actor.ppo_mini_batch_size=32", "data.max_prompt_length=64",
+        "data.max_response_length=48", "rollout.n=8", "algorithm.adv_estimator=grpo",
         f"trainer.total_steps={args.steps}", "trainer.test_freq=10", "trainer.logger=[jsonl]",
         f"trainer.device={args.device}", f"trainer.default_local_dir={work / 'runs'}", *args.overrides,
     ]  # fmt: skip
+    common = [f"model.path={args.model}", *write_task(work), *settings]
     rank = args.lora_rank
     lora = [f"actor.optim.lr={args.lora_lr}", f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"]
     variants = {"full": [f"actor.optim.lr={args.full_lr}"], f"lora_rank{rank}": lora}
-    result = {"model": args.model, "device": args.device, "overrides": common[4:], "runs": {}}
+    result = {"model": args.model, "device": args.device, "overrides": settings, "runs": {}}
     for name, overrides in variants.items():
         config = load_config(overrides=[*common, *overrides, f"trainer.experiment_name={name}"])
         records, timing = timed_fit(config, "rl")

@@ -387,10 +387,10 @@ class StaticDecoder:
 
     @staticmethod
     def _save_rows(b: DecodeBuffers, rows: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]):
-        """`out` (responses and log-probs `[batch, length]`, or `b`'s own before a compaction) with `b`'s first
-        `len(rows)` rows written at the batch rows `rows`."""
+        """`out` (responses and log-probs `[batch, length]`) with `b`'s first `len(rows)` rows written at the batch
+        rows `rows`; before the first compaction `out` is `b`'s own, and a copy of it holds every row already."""
         if out[0] is b.responses:
-            out = (b.responses.clone(), b.log_probs.clone())
+            return b.responses.clone(), b.log_probs.clone()
         out[0][rows] = b.responses[: len(rows)]
         out[1][rows] = b.log_probs[: len(rows)]
         return out

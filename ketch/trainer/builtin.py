@@ -61,12 +61,18 @@ WARMUP_TARGET = 0.2
 """The most validation accuracy the warm-up ends with: partly correct, so that RL has room to improve it. The
 warm-up stops at the first validation above it, and its result is the model of the validation before."""
 
-CALLER_WARMUP_OVERRIDES = (
-    f"data.train_files=[{BUILTIN_CALCULATOR_TASK}/train]",
-    f"data.val_files=[{BUILTIN_CALCULATOR_TASK}/val]",
-    "data.max_prompt_length=32",
-    "data.max_response_length=128",
-    "data.train_batch_size=32",
+
+def _calculator_sft(split: str, *schedule: str) -> tuple[str, ...]:
+    """The overrides of a calculator warm-up that trains on `builtin:calculator/{split}` with `schedule` (learning
+    rate, steps, validation and log intervals), validated on the `val` split with the tool in the loop."""
+    data = (f"data.train_files=[{BUILTIN_CALCULATOR_TASK}/{split}]", f"data.val_files=[{BUILTIN_CALCULATOR_TASK}/val]")
+    data += ("data.max_prompt_length=32", "data.max_response_length=128", "data.train_batch_size=32")
+    tools = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculate]")
+    return (*data, *schedule, "trainer.seed=0", *tools)
+
+
+CALLER_WARMUP_OVERRIDES = _calculator_sft(
+    "train",
     "actor.optim.lr=0.003",
     "actor.optim.warmup_steps=30",
     "actor.optim.lr_scheduler=cosine",
@@ -74,9 +80,6 @@ CALLER_WARMUP_OVERRIDES = (
     "trainer.total_steps=1400",
     "trainer.test_freq=100",
     "trainer.log_interval=100",
-    "trainer.seed=0",
-    "rollout.multi_turn.enable=true",
-    "rollout.multi_turn.tools=[calculate]",
 )
 """The first calculator warm-up (`builtin:tiny-calculator-calls`): SFT of `builtin:tiny-arithmetic` on
 demonstrations of the call format, validated with the tool in the loop, for a fixed 1400 steps. The call format
@@ -87,19 +90,8 @@ arithmetic model). It does not stop on accuracy but runs a fixed schedule past t
 whatever the rounding (0.0 at step 1000, 0.27 at 1200, 0.625 at 1400 in the last case); how well it copies still
 varies (benchmarks/results/2026-12-03_cpu_tool_calculator_mix.json)."""
 
-CALCULATOR_WARMUP_OVERRIDES = (
-    f"data.train_files=[{BUILTIN_CALCULATOR_TASK}/mixed]",
-    f"data.val_files=[{BUILTIN_CALCULATOR_TASK}/val]",
-    "data.max_prompt_length=32",
-    "data.max_response_length=128",
-    "data.train_batch_size=32",
-    "actor.optim.lr=0.0006",
-    "trainer.total_steps=200",
-    "trainer.test_freq=50",
-    "trainer.log_interval=50",
-    "trainer.seed=0",
-    "rollout.multi_turn.enable=true",
-    "rollout.multi_turn.tools=[calculate]",
+CALCULATOR_WARMUP_OVERRIDES = _calculator_sft(
+    "mixed", "actor.optim.lr=0.0006", "trainer.total_steps=200", "trainer.test_freq=50", "trainer.log_interval=50"
 )
 """The second calculator warm-up (`builtin:tiny-calculator`): SFT of `builtin:tiny-calculator-calls` for a fixed
 200 steps at its final learning rate on `builtin:calculator/mixed`, where 30% of the rows call the tool and the
