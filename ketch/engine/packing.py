@@ -4,9 +4,9 @@ A left-padded prompt + right-padded response batch `[batch, seq]` becomes one ro
 each sequence's own position ids; the backbone runs on that row and its hidden states go back to the padded
 layout, so the heads (log-probs, values, scores) do not change. Attention stays inside each sequence: the
 packed attention function registered with transformers as `ketch_packed` runs variable-length flash
-attention on CUDA in bf16/fp16 (`torch.nn.attention.varlen`) and, elsewhere (the CPU, float32), SDPA of each
-sequence on its own, or in compiled blocks SDPA over the row under a mask that is causal within each sequence.
-Padding then costs nothing in the backbone, whatever the length spread.
+attention on CUDA in bf16/fp16 (`torch.nn.attention.varlen`); on the CPU, SDPA of each sequence on its own;
+in compiled blocks and on GPUs off the flash path, SDPA over the row under a mask that is causal within each
+sequence. Padding then costs nothing in the backbone, whatever the length spread.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def packed_attention(
         q, k, v = heads_to_tokens(q, k, v, sequence_parallel_group)
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_fits(sliding_window):
         out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling, sliding_window)
-    elif torch.compiler.is_compiling():  # a compiled block: shapes that do not depend on the data
+    elif q.is_cuda or torch.compiler.is_compiling():  # shapes that do not depend on the data: no host reads
         out = _sdpa_masked(q, k, v, cu_seq_lens_q, scaling, dropout, sliding_window)
     else:
         out = _sdpa_per_sequence(q, k, v, cu_seq_lens_q, scaling, dropout, sliding_window)
@@ -170,7 +170,7 @@ def _sdpa_masked(
     """SDPA over the whole packed row under a mask that keeps each token within its own sequence, causal (and in
     its window): `[T, heads, head_dim]` in and out. Its `[T, T]` mask costs memory and time the variable-length
     kernel does not (the square of the row's length), but it has no shapes that depend on the data, so compiled
-    blocks trace it; eager forwards take `_sdpa_per_sequence`."""
+    blocks trace it and a GPU reads nothing back; eager forwards on the CPU take `_sdpa_per_sequence`."""
     positions = torch.arange(q.shape[0], device=q.device)
     sequence = torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)  # [T]: each token's sequence
     distance = positions[:, None] - positions[None, :]
@@ -189,7 +189,7 @@ def _sdpa_per_sequence(
     """SDPA of each sequence of `cu_seqlens` on its own, causal (and in its window), as `_sdpa_masked` computes
     it: `[T, heads, head_dim]` in and out. It costs the sum of the squared lengths, not the square of their sum
     (a row of 32 sequences of 150 tokens: 32 times less), but it reads the offsets on the host and loops over
-    them, so that traced code takes `_sdpa_masked`."""
+    them, so that traced code and GPUs take `_sdpa_masked`."""
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
     k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
     lengths, outs = cu_seqlens.diff().tolist(), []
