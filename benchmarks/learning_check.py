@@ -1,6 +1,6 @@
 """Does the GPU learn as the CPU does? The tool example and the built-in arithmetic run, each with its defaults, from
-an empty cache, in one command (issue 36); on one H200 about 4 minutes (2026-12-03: 3 min 24 s for `tool`,
-27 s for `arithmetic`, 52 s for each warm-up of `warmup_packing`).
+an empty cache, in one command (issue 36); on one H200 about 4 minutes (2026-12-03: 3 min 1 s for `tool`,
+27 s for `arithmetic`, 34–80 s for each warm-up of `warmup_packing`).
 
     PYTHONPATH=. python3 benchmarks/learning_check.py --out $OUT/learning_check.json [--device cuda]
         [--runs tool,arithmetic,warmup_packing] [--keep-cache] [--tool-model DIR] [overrides of both runs ...]
