@@ -59,21 +59,25 @@ VALIDATION = re.compile(r"SFT step (\d+)/\d+: (.*)")
 
 
 class WarmupValidations(logging.Handler):
-    """Collects the warm-ups' validation lines (`SFT step N/M: val/...=x, ...`), by the warm-up running."""
+    """Collects the built-in warm-ups' validation lines (`SFT step N/M: val/...=x, ...`) by warm-up: a warm-up
+    runs from its `warming up` line to its SFT's `SFT finished` line, and builds the warm-up it starts from within
+    that span; validation lines outside every warm-up (`warmup_packing`'s own SFTs) are not collected."""
 
     def __init__(self):
         super().__init__()
-        self.current, self.by_warmup = "", {}
+        self.running, self.by_warmup = [], {}
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if message.startswith("warming up the built-in tiny model"):
-            self.current = Path(message.rsplit(" ", 1)[-1].rstrip(")")).name
+            self.running.append(Path(message.rsplit(" ", 1)[-1].rstrip(")")).name)
+        elif message.startswith("SFT finished") and self.running:
+            self.running.pop()
         match = VALIDATION.match(message)
-        if match and "val/" in match.group(2):
+        if match and "val/" in match.group(2) and self.running:
             values = dict(pair.split("=") for pair in match.group(2).split(", "))
             kept = {k.split("/")[-1]: float(v) for k, v in values.items() if k == "val/loss" or k.endswith("/acc")}
-            self.by_warmup.setdefault(self.current, []).append({"step": int(match.group(1)), **kept})
+            self.by_warmup.setdefault(self.running[-1], []).append({"step": int(match.group(1)), **kept})
 
 
 def curves(records: list[dict], task: str) -> dict[str, dict[int, float]]:
