@@ -90,10 +90,15 @@ def curves(records: list[dict], task: str) -> dict[str, dict[int, float]]:
     return out
 
 
+def arithmetic_model(device: str) -> str:
+    """The directory of `builtin:tiny-arithmetic`, warmed up on `device` where the cache lacks it."""
+    config = load_config(overrides=[f"model.path={BUILTIN_MODEL}", f"trainer.device={device}"])
+    return builtin.resolve_model_path(config)
+
+
 def run(name: str, config, task: str) -> dict:
     """Both warm-ups of `config`'s model (built where missing, timed), then its training run."""
-    arithmetic = load_config(overrides=[f"model.path={BUILTIN_MODEL}", f"trainer.device={config.trainer.device}"])
-    _, arithmetic_s, _ = timed(builtin.resolve_model_path, arithmetic)
+    _, arithmetic_s, _ = timed(arithmetic_model, config.trainer.device)
     _, model_s, _ = timed(builtin.resolve_model_path, config)
     records, timing = timed_fit(config, name)
     result = {"arithmetic_warmup_wall_s": round(arithmetic_s, 1), "model_warmup_wall_s": round(model_s, 1)}
@@ -109,22 +114,18 @@ def warmup_packing(device: str, runs: str, seeds: list[int]) -> dict:
     """The first calculator warm-up (`builtin:tiny-calculator-calls`) from the same arithmetic model, packed and
     padded, with each of `seeds`: the greedy validation accuracy and loss by step of each, the final accuracies and
     their means by path."""
-    arithmetic = load_config(overrides=[f"model.path={BUILTIN_MODEL}", f"trainer.device={device}"])
-    start = builtin.resolve_model_path(arithmetic)
-    metric = builtin.WARMUPS[BUILTIN_CALLER_MODEL].metric
+    start, warmup = arithmetic_model(device), builtin.WARMUPS[BUILTIN_CALLER_MODEL]
     result, final = {}, {"packed": [], "padded": []}
     for seed, packed in itertools.product(seeds, (True, False)):
         path = "packed" if packed else "padded"
         name = f"{path}_seed{seed}"
-        overrides = [*builtin.CALLER_WARMUP_OVERRIDES, f"model.path={start}", f"model.use_remove_padding={packed}"]
-        overrides += [f"trainer.seed={seed}", f"trainer.device={device}", f"trainer.default_local_dir={runs}"]
-        overrides += [f"trainer.experiment_name={name}", "trainer.logger=[jsonl]"]
-        trainer = SFTTrainer(load_config(overrides=overrides))
+        variation = (f"model.use_remove_padding={packed}", f"trainer.seed={seed}", f"trainer.experiment_name={name}")
+        trainer = SFTTrainer(builtin.warmup_config(warmup, start, runs, device, *variation))
         _, seconds, _ = timed(trainer.fit)
-        records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if metric in r]
-        result[name] = {r["step"]: {"acc": r[metric], "loss": round(r["val/loss"], 5)} for r in records}
+        records = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if warmup.metric in r]
+        result[name] = {r["step"]: {"acc": r[warmup.metric], "loss": round(r["val/loss"], 5)} for r in records}
         result[f"{name}_wall_s"] = round(seconds, 1)
-        final[path].append(records[-1][metric])
+        final[path].append(records[-1][warmup.metric])
     result["final_acc"] = final
     result["final_acc_mean"] = {path: round(statistics.mean(accs), 4) for path, accs in final.items()}
     print(f"== warm-up final accuracy by path and seed {final}, means {result['final_acc_mean']}", flush=True)

@@ -177,8 +177,7 @@ def _sdpa_masked(
     mask = (sequence[:, None] == sequence[None, :]) & (distance >= 0)
     if sliding_window is not None:
         mask &= distance < sliding_window
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
-    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+    q, k, v = _heads_first(q, k, v)
     out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.transpose(0, 1)
 
@@ -190,8 +189,7 @@ def _sdpa_per_sequence(
     it: `[T, heads, head_dim]` in and out. It costs the sum of the squared lengths, not the square of their sum
     (a row of 32 sequences of 150 tokens: 32 times less), but it reads the offsets on the host and loops over
     them, so that traced code and GPUs take `_sdpa_masked`."""
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, T, head_dim]
-    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+    q, k, v = _heads_first(q, k, v)
     lengths, outs = cu_seqlens.diff().tolist(), []
     for qs, ks, vs in zip(*(t.split(lengths, dim=1) for t in (q, k, v)), strict=True):
         mask = None
@@ -205,6 +203,14 @@ def _sdpa_per_sequence(
             )
         )
     return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def _heads_first(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`[T, heads, head_dim]` query and `[T, kv_heads, head_dim]` keys and values -> `[heads, T, head_dim]` each,
+    every key/value head repeated for the query heads that share it."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+    return q, k, v
 
 
 def _varlen_fits(sliding_window: int | None) -> bool:

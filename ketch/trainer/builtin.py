@@ -179,6 +179,14 @@ def _settings_hash(warmup: Warmup) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def warmup_config(warmup: Warmup, start: Path | str, runs: Path | str, device: str, *overrides: str) -> KetchConfig:
+    """The SFT config of `warmup` from the model at `start`, writing its run `warmup` under `runs` on `device`
+    (metrics to JSONL only), with `overrides` on top (a benchmark's variations of a warm-up)."""
+    run = [f"model.path={start}", f"trainer.default_local_dir={runs}", "trainer.experiment_name=warmup"]
+    run += [f"trainer.device={device}", "trainer.logger=[jsonl]"]
+    return load_config(overrides=[*warmup.overrides, *run, *overrides])
+
+
 def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
     logger.info("warming up the built-in tiny model with a short SFT (once; cached in %s)", target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -188,9 +196,7 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
             shutil.copytree(_built_model(warmup.start, device), init)
         else:
             save_tiny_model(init, build_char_tokenizer(), seed=0)
-        overrides = [*warmup.overrides, f"model.path={init}", f"trainer.default_local_dir={tmp}"]
-        overrides += ["trainer.experiment_name=warmup", f"trainer.device={device}", "trainer.logger=[jsonl]"]
-        sft = SFTTrainer(load_config(overrides=overrides))
+        sft = SFTTrainer(warmup_config(warmup, init, tmp, device))
         if warmup.target is None:
             sft.fit()
         else:
