@@ -11,7 +11,8 @@ Triton kernels' launch settings (attention blocks, warps and stages; the sampler
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
 `--model qwen3-0.6b` decodes the Qwen3-0.6B shape instead, and `--unfused` keeps the layers' own projections.
 `--long-tail N` also decodes responses whose lengths spread up to N tokens (`rl_step.py --workload variable`'s
-stop tokens), the whole batch to its longest row against the unfinished rows compacted into smaller shapes.
+stop tokens), the whole batch to its longest row against the unfinished rows compacted into smaller shapes, and
+reports the paged KV cache's size, the pages its rows held at most and what a cache of the whole length would take.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
 """
@@ -35,6 +36,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.rollout import fused_projections
+from ketch.rollout.kv_pages import KVPages, as_pages
 from ketch.rollout.static_decoding import COMPACT_REMAINING, Sampling, StaticDecoder
 
 S = SCALES["full"]
@@ -113,7 +115,8 @@ def attention_inputs(rows: int) -> tuple[torch.Tensor, ...]:
 
 def attention_parts(rows: int) -> dict:
     """Microseconds of one layer's decode attention (7 query heads per key/value head, 384 cache slots, the new
-    token at slot 319), by implementation, and each one's largest difference from float32 attention."""
+    token at slot 319; the kernel over the same cache in pages), by implementation, and each one's largest
+    difference from float32 attention."""
     from ketch.rollout.decode_kernel import decode_attention
 
     q, k, v, filled, slot = attention_inputs(rows)
@@ -126,7 +129,8 @@ def attention_parts(rows: int) -> dict:
 
     exact = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale)
     compiled_math = torch.compile(math, dynamic=False)
-    runs = {"triton_kernel": lambda: decode_attention(q, k, v, filled, slot, scale)}
+    (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)
+    runs = {"triton_kernel": lambda: decode_attention(q, k_pool, v_pool, table, filled, slot, scale)}
     for name, backend in [("cudnn", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)]:
         runs[f"sdpa_{name}"] = lambda backend=backend: _with_backend(backend, lambda: sdpa(q, k, v, attn_mask=mask))
     runs["compiled_math"] = lambda: compiled_math(q, k, v, mask)
@@ -183,10 +187,11 @@ def sweep(rows: int) -> dict:
     from ketch.rollout.decode_kernel import decode_attention
 
     q, k, v, filled, slot = attention_inputs(rows)
+    (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)
     attention = {}
     for block, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
         blocks = {"BLOCK_N": block, "num_warps": warps, "num_stages": stages}
-        run = partial(decode_attention, q, k, v, filled, slot, q.shape[-1] ** -0.5, blocks)
+        run = partial(decode_attention, q, k_pool, v_pool, table, filled, slot, q.shape[-1] ** -0.5, blocks)
         attention[f"block{block}_warps{warps}_stages{stages}"] = round(cuda_seconds(run) * 1e6, 2)
     logits = torch.randn(rows, S["vocab"], device="cuda", dtype=torch.bfloat16)
     seed = torch.zeros(1, dtype=torch.long, device="cuda")
@@ -229,7 +234,20 @@ def long_tail(decoder: StaticDecoder, rows: int, length: int) -> dict:
             torch.cuda.synchronize()
         seconds, new_tokens = time.perf_counter() - start, int((log_probs != 0).sum())
         record[name] = {"s": round(seconds, 2), "new_tokens": new_tokens, "tokens_per_s": round(new_tokens / seconds)}
-    return record
+    return record | {"kv_cache": kv_cache_use(decoder.caches[(rows, S["prompt_len"] + length)].pages)}
+
+
+def kv_cache_use(pages: KVPages) -> dict:
+    """The paged KV cache of one shape: its pools' GiB and pages, the most pages its rows held at once, and the GiB
+    a cache that reserved every row's whole length would take."""
+    page_bytes = sum(t[0].numel() * t.element_size() for pair in pages.pools for t in pair)
+    gib = 2**-30
+    return {
+        "pool_gib": round(pages.pages * page_bytes * gib, 2),
+        "pool_pages": pages.pages,
+        "most_pages_held": pages.most_held,
+        "whole_length_gib": round(len(pages.held) * pages.per_row * page_bytes * gib, 2),
+    }
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The Triton decode-attention kernel (`ketch/rollout/decode_kernel.py`), run by Triton's interpreter on the CPU,
-against PyTorch's attention over the filled slots."""
+over a paged cache against PyTorch's attention over the filled slots."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ CASE = textwrap.dedent(
     """
     import json, torch
     from ketch.rollout.decode_kernel import decode_attention
+    from ketch.rollout.kv_pages import as_pages
 
     g = torch.Generator().manual_seed(0)
     rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, 16, 300, 260
@@ -31,7 +32,8 @@ CASE = textwrap.dedent(
     filled[:, slot + 1 :] = True      # past the new token's slot: never read, even where marked filled
     k[:, :, slot + 1 :] = float("nan")
     v[:, :, slot + 1 :] = float("nan")
-    out = decode_attention(q, k, v, filled, torch.tensor([slot]), 0.3)
+    (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)  # 3 pages of 128 slots a row, in reverse order
+    out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3)
     seen = filled[:, None, None, : slot + 1]
     expected = torch.nn.functional.scaled_dot_product_attention(
         q, k[:, :, : slot + 1], v[:, :, : slot + 1], attn_mask=seen, scale=0.3
@@ -57,9 +59,10 @@ def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():
 def test_kernel_takes_power_of_two_head_sizes_and_float_caches():
     from ketch.rollout.decode_kernel import fits
 
-    cache = torch.zeros(2, 2, 8, 64, dtype=torch.bfloat16)
-    assert fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), cache, cache)
-    assert not fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), torch.zeros(2, 2, 8, 80), torch.zeros(2, 2, 8, 80))
-    assert not fits(torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 8, 8), torch.zeros(2, 2, 8, 8))
-    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.float64), cache, cache)
-    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), cache, cache.transpose(-1, -2))
+    pool = torch.zeros(5, 2, 128, 64, dtype=torch.bfloat16)
+    assert fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), pool, pool)
+    odd = torch.zeros(5, 2, 128, 80)
+    assert not fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), odd, odd)
+    assert not fits(torch.zeros(2, 2, 7, 8), torch.zeros(5, 2, 128, 8), torch.zeros(5, 2, 128, 8))
+    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.float64), pool, pool)
+    assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), pool, pool.transpose(-1, -2))

@@ -1,4 +1,5 @@
-"""The static decoder's grouped-query attention for one new token gives what transformers' SDPA path gives."""
+"""The static decoder: its paged grouped-query attention for one new token gives what transformers' SDPA path gives;
+its decoding gives what a fresh forward gives, in every shape and path."""
 
 from __future__ import annotations
 
@@ -7,26 +8,27 @@ from greedy import generate_greedy
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ketch.rollout.decode_attention import grouped_decode_attention
+from ketch.rollout.kv_pages import as_pages
 
 
-def test_grouped_decode_attention_matches_sdpa_with_repeated_kv_heads_under_a_padding_mask():
+def test_grouped_decode_attention_over_pages_matches_sdpa_with_repeated_kv_heads_under_a_padding_mask():
+    """3 rows of 200 cache slots (two pages of 128, the rows' pages out of order in the pool) against transformers'
+    SDPA path over the contiguous cache."""
     g = torch.Generator().manual_seed(0)
-    batch, heads, kv_heads, length, head_dim = 3, 6, 2, 7, 8
+    batch, heads, kv_heads, length, head_dim = 3, 6, 2, 200, 8
     query = torch.randn(batch, heads, 1, head_dim, generator=g)
     key, value = (torch.randn(batch, kv_heads, length, head_dim, generator=g) for _ in range(2))
-    # row 0 sees slots 0-4, row 1 slots 2-6 (left padding), row 2 only slot 3
+    # row 0 sees slots 0-149, row 1 slots 130-199 (left padding into the second page), row 2 only slot 3
     visible = torch.zeros(batch, length, dtype=torch.bool)
-    visible[0, :5], visible[1, 2:], visible[2, 3] = True, True, True
-    mask = visible[:, None, None, :]
+    visible[0, :150], visible[1, 130:], visible[2, 3] = True, True, True
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal, module.training = heads // kv_heads, True, False
-    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
-    got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3)
+    expected, _ = sdpa_attention_forward(module, query, key, value, visible[:, None, None, :], scaling=0.3)
+    (key_pool, table), (value_pool, _) = as_pages(key), as_pages(value)
+    assert key_pool.shape == (7, kv_heads, 128, head_dim) and table.tolist() == [[6, 5], [4, 3], [2, 1]]
+    got = grouped_decode_attention(query, key_pool, value_pool, table, visible, torch.tensor([199]), scaling=0.3)
     assert got.shape == (batch, 1, heads, head_dim)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
-    # with the new token's slot (the last), through the op `ketch::decode_attention`: the same
-    through_op, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3, slot=torch.tensor([6]))
-    torch.testing.assert_close(through_op, expected, atol=1e-6, rtol=0)
     # row 2 sees one slot: its output is that slot's value, for each query head of the kv head
     torch.testing.assert_close(got[2, 0, 3], value[2, 1, 3], atol=1e-6, rtol=0)
 

@@ -98,9 +98,10 @@ def activation_bytes(config: KetchConfig, model: Any) -> int:
 
 
 def _kv_bytes(config: KetchConfig, model: Any) -> int:
-    """The hf rollout's KV cache on one GPU: its tensor-parallel group's share of the step's sequences (at most
-    the rows that rollout.max_num_batched_tokens holds), each of up to data.max_prompt_length +
-    data.max_response_length tokens, keys and values in every layer."""
+    """The hf rollout's KV cache on one GPU at most: its tensor-parallel group's share of the step's sequences (at
+    most the rows that rollout.max_num_batched_tokens holds), each of up to data.max_prompt_length +
+    data.max_response_length tokens, keys and values in every layer. The static decoder's paged cache holds less
+    where responses end early (`ketch/rollout/kv_pages.py`); this is its size when every response runs to the limit."""
     d, r = config.data, config.rollout
     groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
     rows = -(-d.train_batch_size * r.n // groups)

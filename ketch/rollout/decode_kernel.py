@@ -1,9 +1,10 @@
 """A Triton kernel for the static decoder's one-token attention on GPUs.
 
 One program per (row, key/value head) attends the query heads that share the key/value head, as one block of
-queries, over the KV cache from its first slot to the new token's slot and no further: the unfilled end of the
-cache is never read. Keys come in blocks of slots (`_blocks`); the softmax is accumulated online (running
-maximum and sum), in float32. Masked slots (left padding, a sliding window's past) score -inf.
+queries, over the row's KV cache from its first slot to the new token's slot and no further: the unfilled end of the
+cache is never read. The cache is paged (`kv_pages.py`): the row's n-th page of slots is at the pool page its table
+row names. Keys come in blocks of slots within a page (`_blocks`); the softmax is accumulated online (running
+maximum and sum), in float32. Masked slots (left padding, a sliding window's past) score -inf and are not read.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import triton.language as tl
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors: a power-of-two head size of 16 to 256, a float dtype, keys and
-    values `[rows, kv_heads, length, head_dim]` with contiguous head dimensions."""
+    """Whether the kernel takes these tensors: a power-of-two head size of 16 to 256, a float dtype, pools of keys
+    and values `[pages, kv_heads, page, head_dim]` with contiguous head dimensions."""
     head_dim = query.shape[-1]
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     size_fits = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
@@ -26,16 +27,21 @@ def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    table: torch.Tensor,
     filled: torch.Tensor,
     slot: torch.Tensor,
     scale: float,
     blocks: dict | None = None,
 ) -> torch.Tensor:
-    """`query` `[rows, kv_heads, group, head_dim]` (the query heads of each key/value head) against the cache
-    `key`/`value` `[rows, kv_heads, length, head_dim]` where `filled` `[rows, length]` (bool) and up to the slot
-    `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in `query`'s dtype. `blocks` overrides the launch
-    settings of `_blocks` (`BLOCK_N`, `num_stages`, `num_warps`: what `benchmarks/decode_step.py --sweep` tries)."""
+    """`query` `[rows, kv_heads, group, head_dim]` (the query heads of each key/value head) against the paged cache:
+    pools `key`/`value` `[pages, kv_heads, page, head_dim]` under `table` `[rows, length / page]`, where `filled`
+    `[rows, length]` (bool) and up to the slot `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in
+    `query`'s dtype. `blocks` overrides the launch settings of `_blocks` (`BLOCK_N`, which must divide the page,
+    `num_stages`, `num_warps`: what `benchmarks/decode_step.py --sweep` tries)."""
     rows, kv_heads, group, head_dim = query.shape
+    blocks = blocks or _blocks(head_dim)
+    if key.shape[2] % blocks["BLOCK_N"]:
+        raise ValueError(f"decode attention: blocks of {blocks['BLOCK_N']} slots do not divide pages of {key.shape[2]}")
     query = query.contiguous()
     out = torch.empty_like(query)
     filled = filled.view(torch.uint8) if filled.dtype == torch.bool else filled
@@ -43,19 +49,22 @@ def decode_attention(
         query,
         key,
         value,
+        table,
         filled,
         slot,
         out,
         scale,
         *key.stride()[:3],
         *value.stride()[:3],
+        table.stride(0),
         filled.stride(0),
         filled.stride(1),
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        PAGE=key.shape[2],
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
-        **(blocks or _blocks(head_dim)),
+        **blocks,
     )
     return out
 
@@ -72,21 +81,24 @@ def _decode_attention(
     q_ptr,
     k_ptr,
     v_ptr,
+    table_ptr,
     filled_ptr,
     slot_ptr,
     out_ptr,
     scale,
-    k_row,
+    k_page,
     k_head,
     k_slot,
-    v_row,
+    v_page,
     v_head,
     v_slot,
+    table_row,
     filled_row,
     filled_slot,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -105,14 +117,16 @@ def _decode_attention(
         slots = start + n
         seen = tl.load(filled_ptr + row * filled_row + slots * filled_slot, mask=slots < end, other=0) != 0
         kv_mask = seen[:, None]
-        k = tl.load(k_ptr + row * k_row + head * k_head + slots[:, None] * k_slot + d[None, :], mask=kv_mask, other=0.0)
+        page = tl.load(table_ptr + row * table_row + start // PAGE)
+        within = (start % PAGE + n)[:, None]
+        k = tl.load(k_ptr + page * k_page + head * k_head + within * k_slot + d[None, :], mask=kv_mask, other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(seen[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         shift = tl.where(new_top == float("-inf"), 0.0, new_top)  # a block with no slot seen yet adds nothing
         weights = tl.exp(scores - shift[:, None])
         rescale = tl.exp(top - shift)
-        v = tl.load(v_ptr + row * v_row + head * v_head + slots[:, None] * v_slot + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + page * v_page + head * v_head + within * v_slot + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         total = total * rescale + tl.sum(weights, 1)
         top = new_top

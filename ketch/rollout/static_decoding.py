@@ -40,6 +40,7 @@ from ketch.architecture import (
 from ketch.compiled import SavedCompile, eager, saved_compile
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.fused_projections import fuse_projections
+from ketch.rollout.kv_pages import KVPages
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -72,10 +73,11 @@ class DecodeBuffers:
     """The KV cache and the decode step's state for one (rows, length) shape, at fixed addresses (a CUDA graph
     of the step replays on them): `tokens` and `positions` `[rows, 1]` (the next step's input token and its
     position), `slot` `[1]` (that token's cache slot), `mask` `[rows, length]` (True: a filled slot; `mask4d` is
-    the same memory as `[rows, 1, 1, length]`), per block keys and values `[rows, kv_heads, length, head_dim]`,
-    and what decoding has produced: `responses` `[rows, length]` (each sampled token at its cache slot, the pad
-    token after a row's stop token), `log_probs` `[rows, length]` (float32) and `done` `[rows]`; `seed` `[1]`
-    keys the sampling kernel's noise (drawn at `start`, one more per token)."""
+    the same memory as `[rows, 1, 1, length]`), the paged keys and values of every block and the page table
+    `table` `[rows, length / PAGE]` (`pages`, a `KVPages`), and what decoding has produced: `responses` `[rows,
+    length]` (each sampled token at its cache slot, the pad token after a row's stop token), `log_probs` `[rows,
+    length]` (float32) and `done` `[rows]`; `seed` `[1]` keys the sampling kernel's noise (drawn at `start`, one
+    more per token)."""
 
     def __init__(
         self, attentions: list[nn.Module], shape: AttentionShape, rows: int, length: int, device: torch.device
@@ -85,9 +87,8 @@ class DecodeBuffers:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.mask4d = self.mask[:, None, None, :]
-        dtype = next(attentions[0].parameters()).dtype
-        kv = (rows, shape.kv_heads, length, shape.head_dim)
-        self.kv = [tuple(torch.zeros(kv, dtype=dtype, device=device) for _ in range(2)) for _ in attentions]
+        self.pages = KVPages(attentions, shape, rows, length, device)
+        self.table = self.pages.table
         self.responses = torch.zeros(rows, length, dtype=torch.long, device=device)
         self.log_probs = torch.zeros(rows, length, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -95,42 +96,51 @@ class DecodeBuffers:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.fronts: dict[int, DecodeBuffers] = {}
+        self.root = self
 
     def front(self, rows: int) -> DecodeBuffers:
-        """The first `rows` rows of these buffers as buffers of their own: views of the same memory, the same `slot`
-        and `seed`, CUDA graphs of their own (kept here, for the next batch that compacts into them)."""
+        """The first `rows` rows of these buffers as buffers of their own: views of the same memory, the same pages,
+        `slot` and `seed`, CUDA graphs of their own (kept here, for the next batch that compacts into them)."""
         if rows not in self.fronts:
             view = copy.copy(self)
             for name in ROW_BUFFERS:
                 setattr(view, name, getattr(self, name)[:rows])
-            view.mask4d = view.mask[:, None, None, :]
-            view.kv = [(keys[:rows], values[:rows]) for keys, values in self.kv]
+            view.mask4d, view.table = view.mask[:, None, None, :], self.table[:rows]
             view.graphs, view.fronts = {}, {}
             self.fronts[rows] = view
         return self.fronts[rows]
 
     def move_rows(self, rows: torch.Tensor, into: DecodeBuffers) -> None:
-        """Copy rows `rows` `[n]` of every per-row buffer into `into` (a front of the same memory), in order."""
-        pairs = [(getattr(self, name), getattr(into, name)) for name in ROW_BUFFERS]
-        pairs += [pair for kv_pair in zip(self.kv, into.kv, strict=True) for pair in zip(*kv_pair, strict=True)]
-        for source, target in pairs:
-            target.copy_(source.index_select(0, rows))  # through a copy: source and target share memory
+        """Copy rows `rows` `[n]` of every per-row buffer into `into` (a front of the same memory), in order (the
+        page table's rows move on the host: `KVPages.move`)."""
+        for name in ROW_BUFFERS:
+            getattr(into, name).copy_(getattr(self, name).index_select(0, rows))  # source and target share memory
+
+    def provide(self, unfinished: list[int], slots: int) -> None:
+        """Pages for the first `slots` slots to rows `unfinished`, back from the other rows (`KVPages.assign`); a
+        pool that grew drops the CUDA graphs of every front (they read the old one)."""
+        if self.pages.assign(unfinished, len(self.done), slots):
+            self.root.clear_graphs()
+            self.use()
 
     def clear_graphs(self) -> None:
-        """Drop the CUDA graphs of these buffers and of their fronts (captured on weights that have moved)."""
+        """Drop the CUDA graphs of these buffers and of their fronts (captured on weights or pools that have
+        moved)."""
         self.graphs.clear()
         for view in self.fronts.values():
             view.graphs.clear()
 
-    def use(self, attentions: list[nn.Module]) -> None:
-        """Point each block's attention module at its KV cache here."""
-        for attention, kv in zip(attentions, self.kv, strict=True):
-            attention.decode_kv = kv
+    def use(self) -> None:
+        """Point each block's attention module at its pools of keys and values here and at this page table."""
+        for attention, (keys, values) in zip(self.pages.attentions, self.pages.pools, strict=True):
+            attention.decode_kv = (keys, values, self.table)
 
     def start(self, attention_mask: torch.Tensor, positions: torch.Tensor, active_rows: int, pad_token_id: int):
         """Set up for prompts `[rows, prompt_len]` whose last positions are `positions` `[rows, 1]`: the prompt's
-        slots filled, nothing decoded, rows from `active_rows` on finished from the start."""
+        slots filled and paged with the slots up to the first check, nothing decoded, rows from `active_rows` on
+        finished from the start."""
         prompt_len = attention_mask.shape[1]
+        self.provide(list(range(active_rows)), prompt_len + CHECK_EVERY)
         self.mask.zero_()
         self.mask[:, :prompt_len] = attention_mask.bool()
         self.positions.copy_(positions + 1)
@@ -235,7 +245,7 @@ class StaticDecoder:
                 )
             self.caches[key] = DecodeBuffers(self.attentions, self.shape, batch, length, device)
         buffers = self.caches[key]
-        buffers.use(self.attentions)
+        buffers.use()
         weights = [p.data_ptr() for p in self.model.parameters()]
         if weights != self.weights:  # a CUDA graph reads the weights where they were at its capture
             self.weights = weights
@@ -354,6 +364,8 @@ class StaticDecoder:
                 unfinished = (~b.done).nonzero().squeeze(1)
                 if len(unfinished) == 0:
                     break
+                slots = prompt_len + t - 1 + CHECK_EVERY  # the next check comes before any row writes slot `slots`
+                b.provide(unfinished.tolist(), slots)
                 if self._compacts(len(unfinished), len(b.done), max_new_tokens - t):
                     out = self._save_rows(b, rows, out)
                     b, rows = self._compact(root, b, unfinished), rows[unfinished]
@@ -377,12 +389,14 @@ class StaticDecoder:
 
     def _compact(self, root: DecodeBuffers, b: DecodeBuffers, unfinished: torch.Tensor) -> DecodeBuffers:
         """Rows `unfinished` `[n]` of `b` moved into the first rows of `root`'s memory, as the buffers of the next
-        power of two rows (`root.front`), whose other rows repeat the first of them, finished."""
+        power of two rows (`root.front`), whose other rows repeat the first of them, finished (their pages the
+        scratch page). The rows' pages move by their page table rows."""
         size = 1 << (len(unfinished) - 1).bit_length()
         small = root.front(size)
         b.move_rows(torch.cat([unfinished, unfinished[:1].expand(size - len(unfinished))]), small)
+        root.pages.move(unfinished.tolist(), len(b.done))
         small.done[len(unfinished) :] = True
-        small.use(self.attentions)
+        small.use()
         return small
 
     @staticmethod

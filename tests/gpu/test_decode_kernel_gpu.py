@@ -1,7 +1,7 @@
-"""On one GPU: the Triton decode-attention kernel against PyTorch's attention at the head sizes of the benchmark
-models (64: Qwen2.5-0.5B, 128: Qwen2.5-7B), and the compiled static decoder (fused projections, the kernel, one
-CUDA graph per token) against transformers' `generate` on a random Qwen2 and Qwen3 in float32, and its compaction
-of the unfinished rows against a fresh forward."""
+"""On one GPU: the Triton decode-attention kernel over a paged cache against PyTorch's attention at the head sizes
+of the benchmark models (64: Qwen2.5-0.5B, 128: Qwen2.5-7B), and the compiled static decoder (fused projections,
+the kernel, one CUDA graph per token) against transformers' `generate` on a random Qwen2 and Qwen3 in float32, its
+compaction of the unfinished rows against a fresh forward, and a pool of pages that grows while it decodes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ketch.rollout.static_decoding import Sampling, StaticDecoder
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_attention_over_the_filled_slots(head_dim, dtype):
     from ketch.rollout.decode_kernel import decode_attention, fits
+    from ketch.rollout.kv_pages import as_pages
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, kv_heads, group, length, slot = 16, 2, 7, 384, 300
@@ -25,8 +26,9 @@ def test_kernel_matches_attention_over_the_filled_slots(head_dim, dtype):
     filled = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
     for row in range(rows):
         filled[row, 9 * row : slot + 1] = True  # left padding of 0 to 135 slots
-    assert fits(q, k, v)
-    out = decode_attention(q, k, v, filled, torch.tensor([slot], device="cuda"), head_dim**-0.5)
+    (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)  # 3 pages of 128 slots a row, in reverse order
+    assert fits(q, k_pool, v_pool)
+    out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot], device="cuda"), head_dim**-0.5)
     seen = filled[:, None, None, : slot + 1]
     exact = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k[:, :, : slot + 1].double(), v[:, :, : slot + 1].double(), attn_mask=seen
@@ -134,3 +136,32 @@ def test_unfinished_rows_compact_into_graphs_of_their_own_and_keep_their_log_pro
     root = next(iter(decoder.caches.values()))
     assert 4 in root.fronts and all(len(front.graphs) == 1 for front in root.fronts.values())
     assert len(root.graphs) == 1
+
+
+def test_a_pool_that_grows_under_cuda_graphs_decodes_as_one_that_never_does(monkeypatch):
+    """8 sampled rows of up to 300 tokens after 64 prompt slots (3 pages of 128 each) that stop on 2 of the 512
+    ids: a pool of one page a row, which grows while the batch decodes (its CUDA graphs captured again on the new
+    pool), against a pool with room for every row's whole length; compacting from 16 tokens to go. The same
+    tokens, log-probs within 1e-5, and those of a fresh forward to 1e-4 (float32)."""
+    from ketch.rollout import kv_pages
+
+    model, reference = tiny_decoder("qwen2"), tiny_decoder("qwen2")
+    input_ids = torch.randint(4, 512, (8, 6), generator=torch.Generator().manual_seed(0)).cuda()
+    args = (input_ids, torch.ones_like(input_ids), 300, Sampling(do_sample=True), [5, 261])
+    out, pages = {}, {}
+    for per_row in (kv_pages.PAGE, 4096):
+        monkeypatch.setattr(kv_pages, "POOL_SLOTS_PER_ROW", per_row)
+        decoder = StaticDecoder(model, compile_step=True, compact_remaining=16)
+        torch.manual_seed(0)
+        out[per_row] = decoder.generate(*args, pad_token_id=0)
+        pages[per_row] = decoder.caches[(8, 364)].pages.pages
+    assert pages[4096] == 25 and pages[kv_pages.PAGE] > 9, pages  # 1 + 8 x 3 pages; 1 + 8 x 1, grown
+    (tokens, log_probs), (full_tokens, full_log_probs) = out[kv_pages.PAGE], out[4096]
+    assert torch.equal(tokens, full_tokens)
+    torch.testing.assert_close(log_probs, full_log_probs, atol=1e-5, rtol=0)
+    lengths = (log_probs != 0).sum(1)
+    with torch.no_grad():
+        logits = reference(torch.cat([input_ids, tokens], 1)).logits[:, 5:-1].float().log_softmax(-1)
+    expected = logits.gather(-1, tokens[:, :, None]).squeeze(-1)
+    filled = torch.arange(300, device="cuda") < lengths[:, None]
+    torch.testing.assert_close(log_probs[filled], expected[filled], atol=1e-4, rtol=0)
