@@ -52,27 +52,29 @@ class KVPages:
 
     def assign(self, unfinished: list[int], rows: int, slots: int) -> bool:
         """Of the first `rows` rows, rows `unfinished` get pages for their first `slots` slots, and every other row
-        gives its pages back and writes into the scratch page from now on; the table goes to the device (call it
-        with the device idle: pages given back go to other rows at once). True when the pool grew: it moved, and
+        gives its pages back and writes into the scratch page from now on; a changed table goes to the device (call
+        it with the device idle: pages given back go to other rows at once). True when the pool grew: it moved, and
         what captured it must capture again."""
-        keep = torch.zeros(rows, dtype=torch.bool)
-        keep[unfinished] = True
-        for row in (~keep).nonzero().flatten().tolist():
+        others = torch.ones(rows, dtype=torch.bool)
+        others[unfinished] = False
+        finished = (others & (self.held[:rows] > 0)).nonzero().flatten().tolist()
+        for row in finished:
             self.free += self.host[row, : self.held[row]].tolist()
             self.host[row], self.held[row] = 0, 0
         need = min(-(-slots // PAGE), self.per_row)
         wanted = (need - self.held[unfinished]).clamp(min=0)
-        grew = int(wanted.sum()) > len(self.free)
-        if grew:
-            self._grow(int(wanted.sum()) - len(self.free))
-        for row, count in zip(unfinished, wanted.tolist(), strict=True):
-            first = int(self.held[row])
-            for i in range(first, first + count):
-                self.host[row, i] = self.free.pop()
-            self.held[row] += count
-        self.most_held = max(self.most_held, int(self.held.sum()))
-        self.table.copy_(self.host)
-        return grew
+        short = int(wanted.sum()) - len(self.free)
+        if short > 0:
+            self._grow(short)
+        for i in wanted.nonzero().flatten().tolist():
+            row, first = unfinished[i], int(self.held[unfinished[i]])
+            for n in range(first, first + int(wanted[i])):
+                self.host[row, n] = self.free.pop()
+            self.held[row] = first + int(wanted[i])
+        if finished or wanted.any():
+            self.most_held = max(self.most_held, int(self.held.sum()))
+            self.table.copy_(self.host)
+        return short > 0
 
     def move(self, order: list[int], rows: int) -> None:
         """Compaction: rows `order` of the first `rows` (each holding pages or none: `assign` gave back the others)
