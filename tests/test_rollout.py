@@ -119,16 +119,28 @@ def weight_bytes(rollout) -> int:
     return sum(storage.nbytes() for storage in storages.values())
 
 
+def kv_cache_bytes(rollout) -> int:
+    """Bytes of the static decoder's KV cache pools that the decoder or the model's attention modules still hold."""
+    if rollout.decoder is None:
+        return 0
+    pools = [kv[:2] for a in rollout.decoder.attentions if (kv := getattr(a, "decode_kv", None)) is not None]
+    pools += [pair for b in rollout.decoder.caches.values() for pair in b.pages.pools]
+    tensors = {t.data_ptr(): t for pair in pools for t in pair}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 @pytest.mark.parametrize("decoding", ["generate", "static"])
 def test_a_rollout_that_frees_its_memory_while_training_decodes_as_one_that_keeps_it(tiny_config, decoding):
+    """Freed while the actor trains: the weights and (static decoding) the KV cache; the responses stay the same."""
     settings = ("actor.optim.lr=0.05", "rollout.do_sample=false", f"rollout.hf_decoding={decoding}")
-    responses, held = {}, {}
+    responses, held, kv = {}, {}, {}
     for free in (False, True):
         config = tiny_config(*settings, f"rollout.free_memory_while_training={free}")
         group, batch = actor_group(config), prompts(config)
         batch.meta_info["do_sample"] = False
         first = group.generate_sequences(batch)
         held[free] = weight_bytes(group.worker.rollout)  # while the actor trains
+        kv[free] = kv_cache_bytes(group.worker.rollout)
         update = first.union(group.compute_log_prob(first))
         update.batch["advantages"] = torch.randn(
             update.batch["response_mask"].shape, generator=torch.Generator().manual_seed(0)
@@ -138,6 +150,7 @@ def test_a_rollout_that_frees_its_memory_while_training_decodes_as_one_that_keep
         third = group.generate_sequences(batch)  # no update since: the worker hands the weights over first
         responses[free] = [out.batch["responses"] for out in (first, second, third)]
     assert held[False] > 0 and held[True] == 0
+    assert kv[True] == 0 and (kv[False] > 0) == (decoding == "static")
     assert not torch.equal(responses[False][0], responses[False][1]), "the update changed the greedy responses"
     for kept, freed in zip(responses[False], responses[True], strict=True):
         assert torch.equal(kept, freed)

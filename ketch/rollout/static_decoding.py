@@ -212,9 +212,12 @@ class StaticDecoder:
                 block.forward = partial(compiled, block)
 
     def release(self) -> None:
-        """Drop every shape's KV cache and CUDA graphs; the next `generate` of a shape allocates and captures it
-        again (its compiled block stays loaded)."""
+        """Drop every shape's KV cache and CUDA graphs, and the attention modules' references to the last one used
+        (or its memory would stay allocated); the next `generate` of a shape allocates and captures it again (its
+        compiled block stays loaded)."""
         self.caches.clear()
+        for attention in self.attentions:
+            attention.decode_kv = None
 
     def _step(self, tokens, attention_mask, position_ids, cache_slots):
         """Logits `[batch, vocab]` of the last position (in the model's dtype: the sampler reads them as float32),
