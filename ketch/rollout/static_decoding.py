@@ -1,10 +1,11 @@
-"""Decoding with a preallocated KV cache, for the `hf` backend's `static` path.
+"""Decoding with a paged KV cache at fixed addresses, for the `hf` backend's `static` path.
 
 `model.generate` spends most of a decode step in Python: logits processors, stopping criteria that read
 the GPU every token, and hundreds of kernel launches per layer stack. Here the KV cache is allocated once per
 (batch, length) shape and held by the decoder (`DecodeBuffers`), the one-token step has fixed shapes, sampling
 stays on the device, and the host looks at the tokens only every `CHECK_EVERY` steps to stop early when every
-row has finished. Attention of the one new token reads the KV cache once per key/value head
+row has finished; at those checks it also hands the rows their cache pages (`kv_pages.py`: a row holds the slots it
+has reached, a finished row none). Attention of the one new token reads the KV cache once per key/value head
 (`decode_attention.py`), not once per query head, and Llama-style layers compute q/k/v and gate/up with one
 matmul each (`fused_projections.py`).
 
