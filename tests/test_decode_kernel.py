@@ -16,12 +16,12 @@ pytest.importorskip("triton")
 
 CASE = textwrap.dedent(
     """
-    import json, torch
+    import json, sys, torch
     from ketch.rollout.decode_kernel import decode_attention
     from ketch.rollout.kv_pages import as_pages
 
     g = torch.Generator().manual_seed(0)
-    rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, 16, 300, 260
+    rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, int(sys.argv[1]), 300, 260
     q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
     k, v = (torch.randn(rows, kv_heads, length, head_dim, generator=g) for _ in range(2))
     filled = torch.zeros(rows, length, dtype=torch.bool)
@@ -45,24 +45,28 @@ CASE = textwrap.dedent(
 )
 
 
-def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():
+@pytest.mark.parametrize("head_dim", [16, 80])
+def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only(head_dim):
     """4 rows x 2 key/value heads x 7 query heads each, 300 cache slots of which 261 up to the new token's slot:
-    left padding, a row that sees its new token only, gaps; NaN past the slot is never read."""
+    left padding, a row that sees its new token only, gaps; NaN past the slot is never read. Head size 80 (Phi's)
+    is computed in 128 lanes with the last 48 masked."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CASE], env=env, capture_output=True, text=True, timeout=300)
+    command = [sys.executable, "-c", CASE, str(head_dim)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["shape"] == [4, 2, 7, 16] and result["finite"]
+    assert result["shape"] == [4, 2, 7, head_dim] and result["finite"]
     assert result["max_diff"] < 1e-5 and result["only_slot_diff"] < 1e-6
 
 
-def test_kernel_takes_power_of_two_head_sizes_and_float_caches():
+def test_kernel_takes_head_sizes_of_16_to_256_and_float_caches():
     from ketch.rollout.decode_kernel import fits
 
     pool = torch.zeros(5, 2, 128, 64, dtype=torch.bfloat16)
     assert fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), pool, pool)
     odd = torch.zeros(5, 2, 128, 80)
-    assert not fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), odd, odd)
+    assert fits(torch.zeros(2, 2, 7, 80, dtype=torch.bfloat16), odd, odd)
     assert not fits(torch.zeros(2, 2, 7, 8), torch.zeros(5, 2, 128, 8), torch.zeros(5, 2, 128, 8))
+    assert not fits(torch.zeros(2, 2, 7, 320), torch.zeros(5, 2, 128, 320), torch.zeros(5, 2, 128, 320))
     assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.float64), pool, pool)
     assert not fits(torch.zeros(2, 2, 7, 64, dtype=torch.bfloat16), pool, pool.transpose(-1, -2))

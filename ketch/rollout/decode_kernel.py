@@ -15,12 +15,11 @@ import triton.language as tl
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the kernel takes these tensors: a power-of-two head size of 16 to 256, a float dtype, pools of keys
-    and values `[pages, kv_heads, page, head_dim]` with contiguous head dimensions."""
-    head_dim = query.shape[-1]
+    """Whether the kernel takes these tensors: a head size of 16 to 256 (one that is not a power of two, as Phi's 80
+    and 96, is computed in the next power of two with its tail masked), a float dtype, pools of keys and values
+    `[pages, kv_heads, page, head_dim]` with contiguous head dimensions."""
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    size_fits = 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-    return size_fits and query.dtype in dtypes and key.stride(-1) == value.stride(-1) == 1
+    return 16 <= query.shape[-1] <= 256 and query.dtype in dtypes and key.stride(-1) == value.stride(-1) == 1
 
 
 def decode_attention(
@@ -62,6 +61,7 @@ def decode_attention(
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
         PAGE=key.shape[2],
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
         **blocks,
@@ -98,6 +98,7 @@ def _decode_attention(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -105,18 +106,19 @@ def _decode_attention(
     row = tl.program_id(0)
     head = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
     q_offsets = ((row * tl.num_programs(1) + head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=g[:, None] < GROUP, other=0.0)
+    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
     end = tl.load(slot_ptr) + 1
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for start in range(0, end, BLOCK_N):
         slots = start + n
         seen = tl.load(filled_ptr + row * filled_row + slots * filled_slot, mask=slots < end, other=0) != 0
-        kv_mask = seen[:, None]
+        kv_mask = seen[:, None] & (d[None, :] < HEAD_DIM)
         page = tl.load(table_ptr + row * table_row + start // PAGE)
         within = (start % PAGE + n)[:, None]
         k = tl.load(k_ptr + page * k_page + head * k_head + within * k_slot + d[None, :], mask=kv_mask, other=0.0)
@@ -131,4 +133,4 @@ def _decode_attention(
         total = total * rescale + tl.sum(weights, 1)
         top = new_top
     out = acc / total[:, None]
-    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=g[:, None] < GROUP)
+    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

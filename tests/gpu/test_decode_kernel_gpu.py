@@ -1,7 +1,8 @@
 """On one GPU: the Triton decode-attention kernel over a paged cache against PyTorch's attention at the head sizes
-of the benchmark models (64: Qwen2.5-0.5B, 128: Qwen2.5-7B), and the compiled static decoder (fused projections,
-the kernel, one CUDA graph per token) against transformers' `generate` on a random Qwen2 and Qwen3 in float32, its
-compaction of the unfinished rows against a fresh forward, and a pool of pages that grows while it decodes."""
+of the benchmark models (64: Qwen2.5-0.5B, 128: Qwen2.5-7B) and Phi-3's 96 (masked to 128 lanes), and the compiled
+static decoder (fused projections, the kernel, one CUDA graph per token) against transformers' `generate` on a
+random Qwen2 and Qwen3 in float32, its compaction of the unfinished rows against a fresh forward, and a pool of pages
+that grows while it decodes."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from greedy import generate_greedy
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_attention_over_the_filled_slots(head_dim, dtype):
     from ketch.rollout.decode_kernel import decode_attention, fits
