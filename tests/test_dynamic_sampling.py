@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -167,3 +169,57 @@ def test_rounds_with_prompts_of_other_widths_are_left_padded_to_the_widest():
     assert batch.batch["input_ids"].tolist() == [[9, 3, 4, 7], [9, 3, 4, 7], [5, 6, 8, 7], [5, 6, 8, 7]]
     assert batch.batch["attention_mask"].tolist() == [[0, 1, 1, 1]] * 2 + [[1, 1, 1, 1]] * 2
     assert batch.batch["position_ids"].tolist() == [[0, 0, 1, 2]] * 2 + [[0, 1, 2, 3]] * 2
+
+
+class UpdateRecordingTrainer(PPOTrainer):
+    """Keeps each step's batch before and after `_for_update`."""
+
+    def _for_update(self, batch: DataProto) -> DataProto:
+        update = super()._for_update(batch)
+        self.updates = [*getattr(self, "updates", []), (batch, update)]
+        return update
+
+
+FIRST_CHARACTER_REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(ord(solution_str[0]) % 2) if solution_str else 0.0
+"""
+
+
+@pytest.mark.parametrize("length", [4, 1])
+def test_overlong_filtering_leaves_cut_off_responses_out_of_the_actor_update(tiny_config, tmp_path, length):
+    """GRPO, 8 prompts x 4 responses scored by their first character. Up to 4 tokens, with a third of the ids
+    stopping a response, some stop: the update's response_mask keeps theirs and zeroes the cut-off ones' rows.
+    Responses of 1 token all use their budget: the update has no token to learn from, so its loss and gradient are
+    exactly 0, not NaN, though the advantages are not."""
+    path = tmp_path / "reward.py"
+    path.write_text(FIRST_CHARACTER_REWARD)
+    stop_ids = ",".join(str(i) for i in range(3, 60, 3))
+    trainer = UpdateRecordingTrainer(
+        tiny_config(
+            f"reward.function={path}:score",
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=4",
+            f"data.max_response_length={length}",
+            "algorithm.overlong_filtering=true",
+            f"rollout.stop_token_ids=[{stop_ids}]",
+        )
+    )
+    trainer._open()
+    metrics = trainer._train_step(trainer.loader.next_batch(), 1)
+    trainer.groups.shutdown()
+    ((batch, update),) = trainer.updates  # one process: the update keeps the batch's order
+    cut = batch.batch["attention_mask"][:, -length:].sum(-1) == length
+    mask, kept = batch.batch["response_mask"], update.batch["response_mask"]
+    assert metrics["response_length/clip_ratio"] == pytest.approx(cut.float().mean().item())
+    assert not kept[cut].any() and torch.equal(kept[~cut], mask[~cut])
+    assert (batch.batch["advantages"] * mask).abs().sum() > 0
+    if length > 1:
+        assert 0 < cut.sum() < 32 and math.isfinite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0
+    else:
+        assert cut.all() and metrics["actor/pg_loss"] == 0.0 and metrics["actor/grad_norm"] == 0.0
+
+
+def test_overlong_filtering_with_ignore_eos_is_refused(tiny_config):
+    with pytest.raises(ConfigError, match="every response is cut off, so the actor would never learn"):
+        tiny_config("algorithm.overlong_filtering=true", "rollout.ignore_eos=true")

@@ -1,5 +1,5 @@
 """RL algorithms on tensors: advantage estimators, KL penalties and controllers, policy losses (PPO, GSPO, CISPO)
-and value losses, rollout–training mismatch correction, DAPO's group filter and overlong penalty, the
+and value losses, rollout–training mismatch correction, DAPO's group filter and overlong shaping, the
 Bradley–Terry loss of reward models and the mixing of reward sources.
 
 This package imports no other ketch module: batches are used through `.batch`, `.non_tensor_batch` and
@@ -41,7 +41,7 @@ from ketch.algorithms.losses import (
     value_loss,
 )
 from ketch.algorithms.masked import masked_mean, masked_var, masked_whiten
-from ketch.algorithms.overlong import overlong_penalty
+from ketch.algorithms.overlong import filter_overlong, overlong_penalty, truncated
 from ketch.algorithms.policy_losses import (
     cispo_loss,
     get_policy_loss,
@@ -90,6 +90,7 @@ __all__ = [
     "compute_rloo_advantage",
     "discounted_returns",
     "entropy_from_logits",
+    "filter_overlong",
     "get_adv_estimator",
     "get_policy_loss",
     "group_centered_scores",
@@ -111,6 +112,7 @@ __all__ = [
     "rollout_is_weights",
     "rollout_mismatch_metrics",
     "rollout_mismatch_terms",
+    "truncated",
     "turn_masks",
     "value_loss",
 ]

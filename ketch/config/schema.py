@@ -540,6 +540,10 @@ class AlgorithmConfig:
     """A NaN/inf in rewards, values or advantages: stop with a message, or zero those entries and count them."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """DAPO's dynamic sampling."""
+    overlong_filtering: bool = False
+    """Leave the responses that used every allowed token (cut off by data.max_response_length, not stopped) out of
+    the actor's loss (DAPO's overlong filtering): their rewards still enter their groups' advantages;
+    `response_length/clip_ratio` logs their share."""
 
 
 @dataclass(frozen=True)

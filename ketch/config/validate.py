@@ -368,6 +368,11 @@ def _dapo(c: KetchConfig) -> str | None:
         )
     if o.enable and o.len > c.data.max_response_length:
         return f"reward.overlong_buffer.len={o.len} must be <= data.max_response_length={c.data.max_response_length}"
+    if c.algorithm.overlong_filtering and c.rollout.ignore_eos:
+        return (
+            "algorithm.overlong_filtering=true leaves cut-off responses out of the actor's loss, and with rollout."
+            "ignore_eos=true every response is cut off, so the actor would never learn; set one of them to false"
+        )
     return None
 
 

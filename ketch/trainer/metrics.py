@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ketch.algorithms import truncated
 from ketch.protocol import DataProto
 from ketch.rollout.multi_turn.metrics import trajectory_metrics
 
@@ -41,15 +42,16 @@ def data_metrics(batch: DataProto, max_response_length: int) -> dict[str, float]
     if "entropy" in b:
         metrics["actor/entropy"] = b["entropy"][mask].mean().item()
     metrics |= _stats("response_length", lengths)
-    metrics["response_length/clip_ratio"] = truncated_fraction(b["responses"], b["response_mask"], max_response_length)
+    metrics["response_length/clip_ratio"] = truncated_fraction(batch, max_response_length)
     metrics |= _stats("prompt_length", b["attention_mask"][:, : -b["responses"].shape[1]].sum(-1))
     metrics |= trajectory_metrics(batch.non_tensor_batch, lengths.numpy(), "multi_turn")
     return metrics
 
 
-def truncated_fraction(responses: torch.Tensor, response_mask: torch.Tensor, max_response_length: int) -> float:
-    """Fraction of responses that used every allowed token (cut off rather than stopped)."""
-    return (response_mask.sum(-1) >= max_response_length).float().mean().item()
+def truncated_fraction(batch: DataProto, max_response_length: int) -> float:
+    """Fraction of the batch's responses that used every allowed token (cut off rather than stopped; `truncated`)."""
+    b = batch.batch
+    return truncated(b["response_mask"], b["attention_mask"], max_response_length).float().mean().item()
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

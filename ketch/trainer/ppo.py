@@ -19,6 +19,7 @@ from ketch.algorithms import (
     RewardMixer,
     apply_kl_penalty,
     build_kl_controller,
+    filter_overlong,
     get_adv_estimator,
     last_valid_index,
     overlong_penalty,
@@ -285,14 +286,21 @@ class PPOTrainer(TrainingLoop):
 
     def _for_update(self, batch: DataProto) -> DataProto:
         """Only what the actor update reads travels to the workers, rows spread so that every data-parallel rank
-        gets about the same number of real tokens."""
+        gets about the same number of real tokens; with `algorithm.overlong_filtering` the cut-off responses' tokens
+        are out of its `response_mask`."""
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
         a = self.config.actor
         optional = ["old_log_prob"] + (["ref_log_prob"] if a.use_kl_loss else [])
         # the rollout log-probs serve truncated IS, and the mismatch metrics when the update's forward is π_old
         optional += ["rollout_log_probs"] if a.rollout_is is not None or "old_log_prob" not in batch.batch else []
         keys += [k for k in optional if k in batch.batch]
-        return balance_tokens(batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[]), self.plan.world_size)
+        update = batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
+        if self.config.algorithm.overlong_filtering:
+            b = update.batch
+            b["response_mask"] = filter_overlong(
+                b["response_mask"], b["attention_mask"], self.config.data.max_response_length
+            )
+        return balance_tokens(update, self.plan.world_size)
 
     def _validate(self, step: int) -> dict[str, float]:
         """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""
@@ -320,10 +328,9 @@ class PPOTrainer(TrainingLoop):
         return c.num_processes(gpu) + (c.rollout_processes(gpu) if self.standalone is not None else 0)
 
     def _warn_if_all_truncated(self, batch: DataProto, step: int) -> None:
-        b = batch.batch
         if self.warned_truncation or self.config.rollout.ignore_eos:
             return
-        if truncated_fraction(b["responses"], b["response_mask"], self.config.data.max_response_length) == 1.0:
+        if truncated_fraction(batch, self.config.data.max_response_length) == 1.0:
             self.warned_truncation = True
             logger.warning(
                 "every response of step %d reached data.max_response_length=%d without a stop token, so rewards "

@@ -1,11 +1,11 @@
-"""DAPO's group filter and overlong penalty (https://arxiv.org/abs/2503.14476) against hand-worked numbers."""
+"""DAPO's group filter and overlong shaping (https://arxiv.org/abs/2503.14476) against hand-worked numbers."""
 
 import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
-from ketch.algorithms import informative_groups, overlong_penalty
+from ketch.algorithms import filter_overlong, informative_groups, overlong_penalty, truncated
 
 
 def test_only_groups_whose_values_differ_are_kept():
@@ -40,3 +40,15 @@ def test_overlong_penalty_is_the_papers_linear_ramp_over_the_buffer():
 def test_overlong_buffer_longer_than_the_budget_is_an_error_naming_the_keys():
     with pytest.raises(ValueError, match=r"reward.overlong_buffer.len=20 .*data.max_response_length=16"):
         overlong_penalty(torch.tensor([3]), 16, 20, 1.0)
+
+
+def test_overlong_filtering_masks_the_responses_that_used_every_allowed_token():
+    # 2 prompt columns, 4 response columns, a budget of 4 tokens: row 0 stopped after 2, row 1 used all 4, row 2 is
+    # a trajectory of 2 model tokens around 2 tool tokens (out of response_mask, in its budget), row 3 stopped after 3.
+    response_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 0]])
+    prompt_mask = torch.tensor([[0, 1], [1, 1], [1, 1], [0, 1]])
+    attention_mask = torch.cat([prompt_mask, torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])], 1)
+    assert truncated(response_mask, attention_mask, 4).tolist() == [False, True, True, False]
+    assert truncated(response_mask, attention_mask, 5).tolist() == [False] * 4  # a budget wider than the batch
+    expected = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])
+    assert torch.equal(filter_overlong(response_mask, attention_mask, 4), expected)
