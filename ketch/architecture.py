@@ -191,6 +191,27 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def attention_implementation(config: Any, requested: str) -> str:
+    """The attention kernel transformers runs for a model of `config` under `model.attn_implementation`: `auto`
+    is `sdpa`, or `eager` for a model that soft-caps its attention logits (Gemma 2), whose cap SDPA leaves out
+    without a word (the logits would not be the model's); any other value as given."""
+    if requested != "auto":
+        return requested
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
+def attention_implementation_problem(config: Any, requested: str) -> str | None:
+    """Why the attention kernel `requested` computes other logits than the model's own, or None: SDPA on a model
+    that soft-caps its attention logits."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if attention_implementation(config, requested) == "sdpa" and cap:
+        return (
+            f"model.attn_implementation=sdpa leaves out this model's attention soft cap (config.attn_logit_softcapping"
+            f"={cap}), so its logits are not the model's: use auto or eager (or flash_attention_2 where installed)"
+        )
+    return None
+
+
 def packing_problem(model: nn.Module) -> str | None:
     """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: its
     attention must go through transformers' attention interface (which carries the sequence offsets to the

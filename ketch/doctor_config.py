@@ -10,7 +10,13 @@ from typing import Any
 
 import torch
 
-from ketch.architecture import causal_lm_problem, packing_problem, static_decoding_problem
+from ketch.architecture import (
+    attention_implementation,
+    attention_implementation_problem,
+    causal_lm_problem,
+    packing_problem,
+    static_decoding_problem,
+)
 from ketch.config import BatchError, KetchConfig, derive_batch_plan
 from ketch.config.memory import gpu_memory_parts
 from ketch.config.parallel import (
@@ -64,8 +70,10 @@ def model_row(config: KetchConfig) -> tuple[Check, Any, Any]:
 
 
 def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Check | None:
-    """Which code paths the run's model takes (`ketch/architecture.py`): packed or padded training forwards, and the
-    hf rollout's static decoder or `generate`; None without a model config or where the model does not build."""
+    """Which code paths the run's model takes (`ketch/architecture.py`): packed or padded training forwards, the
+    hf rollout's static decoder or `generate`, and the attention kernel of the padded forwards and `generate` (a
+    warning where it would change the model's logits); None without a model config or where the model does not
+    build."""
     model = meta_model(model_config, config.model.trust_remote_code) if model_config is not None else None
     if model is None:
         return None
@@ -91,7 +99,11 @@ def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Chec
     else:
         problem = static_decoding_problem(model)
         rollout = f"generate: {problem}" if problem else "static decoder"
-    return Check("model paths", "ok", f"{type(model).__name__}: training forwards {training}; rollout: {rollout}")
+    attention = attention_implementation(model_config, m.attn_implementation)
+    detail = f"{type(model).__name__}: training forwards {training}; rollout: {rollout}; transformers attention: "
+    detail += attention
+    problem = attention_implementation_problem(model_config, m.attn_implementation)
+    return Check("model paths", "warn" if problem else "ok", detail, problem or "")
 
 
 def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:

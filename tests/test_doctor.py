@@ -126,27 +126,38 @@ def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
     assert "GPU memory" not in rows  # a run on the CPU
     assert rows["model paths"].detail == (
         "Qwen2ForCausalLM: training forwards padded (model.use_remove_padding is off on CPUs); rollout: generate "
-        "(rollout.hf_decoding=auto, static on GPUs only)"
+        "(rollout.hf_decoding=auto, static on GPUs only); transformers attention: sdpa"
     )
 
 
 def test_the_model_paths_row_names_the_path_of_each_kind_of_model_on_gpus(tmp_path):
     """What a GPU run takes: a Llama packs and decodes statically; a Gemma 2 (soft-capped attention logits) and a
-    StableLM (its attention outside transformers' interface) train padded and decode with `generate`."""
+    StableLM (its attention outside transformers' interface) train padded and decode with `generate`, the Gemma 2
+    with eager attention, which keeps the cap (SDPA, when asked for, leaves it out: a warning)."""
     from ketch.data import build_char_tokenizer
     from ketch.models.tiny import save_tiny_family_model
 
-    details = {}
+    details, paths = {}, {}
     for model_type in ("llama", "gemma2", "stablelm"):
-        path = save_tiny_family_model(tmp_path / model_type, model_type, build_char_tokenizer())
+        path = paths[model_type] = save_tiny_family_model(tmp_path / model_type, model_type, build_char_tokenizer())
         details[model_type] = rows_by_name(f"model.path={path}", "trainer.device=cuda")["model paths"].detail
-    assert details["llama"] == "LlamaForCausalLM: training forwards packed, padding-free; rollout: static decoder"
+    assert details["llama"] == (
+        "LlamaForCausalLM: training forwards packed, padding-free; rollout: static decoder; transformers attention: "
+        "sdpa"
+    )
     softcap = "it soft-caps its attention logits (config.attn_logit_softcapping)"
-    assert details["gemma2"] == f"Gemma2ForCausalLM: training forwards padded: {softcap}; rollout: generate: {softcap}"
+    assert details["gemma2"] == (
+        f"Gemma2ForCausalLM: training forwards padded: {softcap}; rollout: generate: {softcap}; transformers "
+        "attention: eager"
+    )
     interface = "its attention does not go through transformers' attention interface"
     assert details["stablelm"] == (
-        f"StableLmForCausalLM: training forwards padded: {interface}; rollout: generate: {interface}"
+        f"StableLmForCausalLM: training forwards padded: {interface}; rollout: generate: {interface}; transformers "
+        "attention: sdpa"
     )
+    sdpa = rows_by_name(f"model.path={paths['gemma2']}", "model.attn_implementation=sdpa")["model paths"]
+    assert sdpa.status == "warn" and sdpa.detail.endswith("transformers attention: sdpa")
+    assert sdpa.fix.startswith("model.attn_implementation=sdpa leaves out this model's attention soft cap")
 
 
 def test_an_encoder_or_encoder_decoder_model_fails_the_model_row(tmp_path, tiny_model_dir):

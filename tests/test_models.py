@@ -77,3 +77,38 @@ def test_tokenizer_without_pad_token_uses_eos(tiny_model_dir, tmp_path, caplog):
     assert f"the tokenizer of {tmp_path / 'tok'} has no pad; padding with '<eos>' (an EOS token of the model)" in (
         caplog.text
     )
+
+
+def test_a_model_that_soft_caps_its_attention_logits_loads_with_attention_that_keeps_the_cap(
+    tiny_model_dir, tmp_path, caplog
+):
+    """A Gemma 2 whose attention logits are capped at 1.0 (weights large enough for the cap to act): under the
+    default `auto` it loads with eager attention and gives eager's logits; SDPA, which leaves the cap out, gives
+    logits more than 0.1 away, and asking for it is warned of. A Qwen2 loads with SDPA."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from ketch.models import loader
+
+    torch.manual_seed(0)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8}
+    config = Gemma2Config(
+        vocab_size=64, num_attention_heads=4, num_key_value_heads=2, attn_logit_softcapping=1.0, **sizes
+    )
+    model = Gemma2ForCausalLM(config)
+    for p in model.parameters():
+        p.data.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "gemma2")
+    ids = torch.randint(0, 64, (2, 10))
+    logits = {}
+    for asked in ("auto", "eager", "sdpa"):
+        loaded = load_causal_lm(str(tmp_path / "gemma2"), attn_implementation=asked).eval()
+        assert loaded.config._attn_implementation == ("eager" if asked == "auto" else asked)
+        with torch.no_grad():
+            logits[asked] = loaded(ids).logits
+    assert torch.equal(logits["auto"], logits["eager"])
+    assert (logits["sdpa"] - logits["eager"]).abs().max() > 0.1
+    loader._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="ketch.models"):
+        load_causal_lm(str(tmp_path / "gemma2"), attn_implementation="sdpa")
+    assert "model.attn_implementation=sdpa leaves out this model's attention soft cap" in caplog.text
+    assert load_causal_lm(str(tiny_model_dir)).config._attn_implementation == "sdpa"

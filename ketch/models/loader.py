@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from ketch.architecture import causal_lm_problem, value_head_problem
+from ketch.architecture import (
+    attention_implementation,
+    attention_implementation_problem,
+    causal_lm_problem,
+    value_head_problem,
+)
 from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
 
 logger = logging.getLogger("ketch.models")
@@ -102,7 +108,7 @@ def _fix_rope(config) -> None:
 def load_causal_lm(
     path: str,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
@@ -116,7 +122,7 @@ def load_causal_lm(
 def load_critic(
     path: str,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
@@ -132,7 +138,7 @@ def load_critic(
 def load_reward_model(
     path: str,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
@@ -161,6 +167,12 @@ def _load_with_scalar_head(
 
 
 def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: str):
+    """`auto_cls` from `path` with `kwargs`, its `attn_implementation` resolved for the model
+    (`ketch.architecture.attention_implementation`; a kernel that would change its logits is warned of once)."""
+    problem = attention_implementation_problem(config, kwargs["attn_implementation"])
+    if problem:
+        _warn_once(problem)
+    kwargs = {**kwargs, "attn_implementation": attention_implementation(config, kwargs["attn_implementation"])}
     try:
         return auto_cls.from_pretrained(path, config=config, **kwargs)
     except (OSError, ValueError) as err:
@@ -244,3 +256,8 @@ def local_or_hub(path: str) -> str:
     """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
     local = Path(path).expanduser()
     return str(local.resolve()) if local.exists() else path
+
+
+@cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
