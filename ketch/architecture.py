@@ -51,6 +51,9 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family(),
     "gpt_neox": Family(),
     "gpt2": Family(),
+    "gpt_oss": Family(),
+    "deepseek_v3": Family(),
+    "lfm2": Family(),
 }
 """The families the architecture matrix test runs, each through packing, static decoding and a GRPO run."""
 
@@ -191,20 +194,21 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def attention_implementation(config: Any, requested: str) -> str:
-    """The attention kernel transformers runs for a model of `config` under `model.attn_implementation`: `auto`
-    is `sdpa`, or `eager` for a model that soft-caps its attention logits (Gemma 2), whose cap SDPA leaves out
-    without a word (the logits would not be the model's); any other value as given."""
+def attention_implementation(config: Any, requested: str) -> str | None:
+    """The attention kernel to ask transformers for, for a model of `config` under `model.attn_implementation`:
+    `auto` is `eager` for a model that soft-caps its attention logits (Gemma 2), whose cap SDPA leaves out without
+    a word (the logits would not be the model's), else None: transformers' own choice, SDPA where the model
+    supports it and eager where not (GPT-OSS); any other value as given."""
     if requested != "auto":
         return requested
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
 
 
 def attention_implementation_problem(config: Any, requested: str) -> str | None:
     """Why the attention kernel `requested` computes other logits than the model's own, or None: SDPA on a model
     that soft-caps its attention logits."""
     cap = getattr(config, "attn_logit_softcapping", None)
-    if attention_implementation(config, requested) == "sdpa" and cap:
+    if requested == "sdpa" and cap:
         return (
             f"model.attn_implementation=sdpa leaves out this model's attention soft cap (config.attn_logit_softcapping"
             f"={cap}), so its logits are not the model's: use auto or eager (or flash_attention_2 where installed)"
@@ -215,28 +219,48 @@ def attention_implementation_problem(config: Any, requested: str) -> str | None:
 def packing_problem(model: nn.Module) -> str | None:
     """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: its
     attention must go through transformers' attention interface (which carries the sequence offsets to the
-    packed attention), without soft-capped attention logits (variable-length flash attention has no cap)."""
+    packed attention) and compute nothing the packed attention leaves out (`_attention_problem`), and every layer
+    must attend (a linear-attention or state-space layer would run over the packed row as one sequence)."""
     if not getattr(model, "_supports_attention_backend", False):
         return "its attention does not go through transformers' attention interface"
-    if getattr(model.config, "attn_logit_softcapping", None):
-        return "it soft-caps its attention logits (config.attn_logit_softcapping)"
-    return None
+    return _attention_problem(model) or _layer_problem(model.config)
 
 
 def static_decoding_problem(model: nn.Module) -> str | None:
     """Why the static decoder (`rollout/static_decoding.py`) cannot decode `model`, or None when it can: every
     block has one attention module that calls transformers' attention interface (which the decoder's KV cache
-    hooks into), every layer attends, and the attention logits are not soft-capped."""
+    hooks into), computing nothing the decoder's attention leaves out, every layer attends, and keys and values
+    have the config's head size (the cache's pages hold one size)."""
     blocks = decoder_blocks(model)
-    config = model.config
     if not blocks or any(block_attention(block) is None for block in blocks):
         return "its decoder blocks have no single attention module each"
     if not getattr(model, "_supports_attention_backend", False):
         return "its attention does not go through transformers' attention interface"
+    problem = _attention_problem(model) or _layer_problem(model.config)
+    if problem:
+        return problem
+    attention, head_dim = block_attention(blocks[0]), attention_shape(model.config).head_dim
+    if {getattr(attention, "qk_head_dim", head_dim), getattr(attention, "v_head_dim", head_dim)} != {head_dim}:
+        return "its keys and values are not of its config's head size (multi-head latent attention)"
+    return None
+
+
+def _attention_problem(model: nn.Module) -> str | None:
+    """What `model`'s attention computes beyond scaled dot-product attention over its keys, which ketch's packed and
+    decode attention do not: soft-capped logits (Gemma 2), sink logits (GPT-OSS)."""
+    if getattr(model.config, "attn_logit_softcapping", None):
+        return "it soft-caps its attention logits (config.attn_logit_softcapping)"
+    blocks = decoder_blocks(model)
+    attention = block_attention(blocks[0]) if blocks else None
+    if attention is not None and hasattr(attention, "sinks"):
+        return "its attention adds sink logits (attention sinks)"
+    return None
+
+
+def _layer_problem(config: Any) -> str | None:
+    """Why not every layer of a model of `config` attends, or None."""
     if not set(getattr(config, "layer_types", None) or ()) <= ATTENTION_LAYERS:
         return f"not all of its layers attend (config.layer_types: {sorted(set(config.layer_types))})"
-    if getattr(config, "attn_logit_softcapping", None):
-        return "it soft-caps its attention logits (config.attn_logit_softcapping)"
     return None
 
 

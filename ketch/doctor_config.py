@@ -99,7 +99,7 @@ def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Chec
     else:
         problem = static_decoding_problem(model)
         rollout = f"generate: {problem}" if problem else "static decoder"
-    attention = attention_implementation(model_config, m.attn_implementation)
+    attention = attention_implementation(model_config, m.attn_implementation) or model.config._attn_implementation
     detail = f"{type(model).__name__}: training forwards {training}; rollout: {rollout}; transformers attention: "
     detail += attention
     problem = attention_implementation_problem(model_config, m.attn_implementation)

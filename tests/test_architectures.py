@@ -25,11 +25,16 @@ from ketch.trainer.ppo import PPOTrainer
 NOT_PACKED = {
     "gemma2": "it soft-caps its attention logits (config.attn_logit_softcapping)",
     "stablelm": "its attention does not go through transformers' attention interface",
+    "gpt_oss": "its attention adds sink logits (attention sinks)",
+    "lfm2": "not all of its layers attend (config.layer_types: ['conv', 'full_attention'])",
 }
 """The families whose training forwards stay padded, and why."""
-NOT_STATIC = NOT_PACKED
+NOT_STATIC = NOT_PACKED | {
+    "deepseek_v3": "its keys and values are not of its config's head size (multi-head latent attention)",
+    "lfm2": "its decoder blocks have no single attention module each",
+}
 """The families that decode with `generate`, and why."""
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,7 @@ def ragged_batch(vocab: int, prompt_len: int = 10, response_len: int = 12):
 
 def test_every_family_has_a_tiny_model():
     assert FAMILY_SETTINGS.keys() == FAMILIES.keys()
-    assert len(FAMILIES) == 20
+    assert len(FAMILIES) == 23
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -159,8 +164,9 @@ def test_two_grpo_steps_with_packing_and_static_decoding(tiny_config, family_dir
         assert metrics["training/rollout_probs_diff_max"] < 1e-5
         assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
         assert ("actor/router_aux_loss" in metrics) == (model_type in MOE)
-    if model_type in MOE:  # the model config's weight: OLMoE 0.01, the others 0.001
-        assert router(policy.lm.config).aux_loss_coef == (0.01 if model_type == "olmoe" else 0.001)
+    if model_type in MOE:  # the model config's weight: OLMoE 0.01, DeepSeek-V3 none (its router's bias balances)
+        coef = {"olmoe": 0.01, "deepseek_v3": 0.0}.get(model_type, 0.001)
+        assert router(policy.lm.config).aux_loss_coef == coef
         assert steps[1]["actor/router_aux_loss"] == pytest.approx(2.0, abs=0.1)
 
 

@@ -94,9 +94,10 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Parameter dtype for the rollout and frozen models; auto = bfloat16 on GPU, float32 on CPU."""
     attn_implementation: str = "auto"
-    """Attention kernel passed to transformers (`eager`, `sdpa`, `flash_attention_2`); auto = sdpa, or eager for a
-    model that soft-caps its attention logits (Gemma 2: SDPA would leave the cap out). Packed training forwards
-    and the static decoder use ketch's own attention wherever a model takes them (`ketch doctor` says which)."""
+    """Attention kernel passed to transformers (`eager`, `sdpa`, `flash_attention_2`); auto = transformers' choice
+    (sdpa where the model has it, else eager: GPT-OSS), but eager for a model that soft-caps its attention logits
+    (Gemma 2: SDPA would leave the cap out). Packed training forwards and the static decoder use ketch's own
+    attention wherever a model takes them (`ketch doctor` says which)."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (needed by some hub models)."""
     gradient_checkpointing: bool = False

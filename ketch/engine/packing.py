@@ -153,7 +153,8 @@ def packed_attention(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, head_dim]
     if sequence_parallel_group is not None:
         q, k, v = heads_to_tokens(q, k, v, sequence_parallel_group)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout and _varlen_fits(sliding_window):
+    flash = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and not dropout
+    if flash and _varlen_fits(sliding_window, v.shape[-1] == q.shape[-1]):
         out = _flash_varlen(q, k, v, cu_seq_lens_q, max_length_q, scaling, sliding_window)
     elif q.is_cuda or torch.compiler.is_compiling():  # shapes that do not depend on the data: no host reads
         out = _sdpa_masked(q, k, v, cu_seq_lens_q, scaling, dropout, sliding_window)
@@ -213,9 +214,11 @@ def _heads_first(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, k, v
 
 
-def _varlen_fits(sliding_window: int | None) -> bool:
-    """Whether this torch has variable-length attention, and a window argument where the layer needs one."""
-    return bool(VARLEN_PARAMETERS) and (sliding_window is None or "window_size" in VARLEN_PARAMETERS)
+def _varlen_fits(sliding_window: int | None, same_head_size: bool) -> bool:
+    """Whether this torch has variable-length attention for the layer: a window argument where it needs one, and
+    values of the queries' head size (multi-head latent attention's differ: masked SDPA takes those)."""
+    windowed = sliding_window is None or "window_size" in VARLEN_PARAMETERS
+    return bool(VARLEN_PARAMETERS) and windowed and same_head_size
 
 
 def _flash_varlen(

@@ -75,6 +75,21 @@ FAMILY_SETTINGS: dict[str, dict] = {
     "starcoder2": {},
     "gpt_neox": {"num_key_value_heads": None},
     "gpt2": {"num_key_value_heads": None, "intermediate_size": None},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": SLIDING},
+    "deepseek_v3": {  # multi-head latent attention: keys of 16 + 8 (rotary), values of 16
+        **MOE,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
 }
 """Per family of `ketch.architecture.FAMILIES`: what its tiny config sets beside `FAMILY_SIZES` and 2 key/value
 heads (None: left to the family's own default)."""
