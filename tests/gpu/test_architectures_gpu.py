@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from greedy import generate_greedy
-from test_architectures import ragged_batch
+from test_architectures import NOT_PACKED, NOT_STATIC, ragged_batch
 
 from ketch.architecture import FAMILIES
 from ketch.data import build_char_tokenizer
@@ -23,8 +23,6 @@ from ketch.models.tiny import save_tiny_family_model
 from ketch.rollout.static_decoding import Sampling, StaticDecoder
 from ketch.trainer.ppo import PPOTrainer
 
-NOT_PACKED = {"gemma2", "stablelm"}
-NOT_STATIC = NOT_PACKED
 CUDA = torch.device("cuda")
 
 
