@@ -133,7 +133,8 @@ def test_console_logs_every_log_interval(tiny_config, caplog):
 
 def test_all_truncated_responses_get_a_clear_warning_once(tiny_config, caplog):
     trainer = PPOTrainer(tiny_config("data.max_response_length=3"))
-    cut_off = DataProto.from_dict({"responses": torch.full((2, 3), 9), "response_mask": torch.ones(2, 3)})
+    responses = {"responses": torch.full((2, 3), 9), "response_mask": torch.ones(2, 3)}
+    cut_off = DataProto.from_dict({**responses, "attention_mask": torch.ones(2, 5)})  # 2 prompt tokens, 3 response
     with caplog.at_level(logging.WARNING, logger="ketch"):
         trainer._warn_if_all_truncated(cut_off, 1)
         trainer._warn_if_all_truncated(cut_off, 1)
