@@ -54,6 +54,7 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(),
     "deepseek_v3": Family(),
     "lfm2": Family(),
+    "llama4_text": Family(),
 }
 """The families the architecture matrix test runs, each through packing, static decoding and a GRPO run."""
 
@@ -168,11 +169,17 @@ def router(config: Any) -> Router | None:
     return Router(config.num_experts_per_tok, getattr(config, "router_aux_loss_coef", None) or 0.0)
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """The backbone of a HF causal LM (`get_decoder()`), or the backbone itself. Llama 4's text model answers
+    `get_decoder()` with itself: its `model` child is taken there."""
+    found = model.get_decoder() if hasattr(model, "get_decoder") else model
+    return getattr(model, "model", found) if found is model else found
+
+
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a HF causal LM, or of its backbone: the decoder's one `ModuleList` (`layers`,
     GPT-2's `h`); empty where there is none."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    lists = [child for child in decoder.children() if isinstance(child, nn.ModuleList)]
+    lists = [child for child in decoder(model).children() if isinstance(child, nn.ModuleList)]
     return list(lists[0]) if len(lists) == 1 else []
 
 
@@ -258,9 +265,11 @@ def _attention_problem(model: nn.Module) -> str | None:
 
 
 def _layer_problem(config: Any) -> str | None:
-    """Why not every layer of a model of `config` attends, or None."""
-    if not set(getattr(config, "layer_types", None) or ()) <= ATTENTION_LAYERS:
-        return f"not all of its layers attend (config.layer_types: {sorted(set(config.layer_types))})"
+    """Why not every layer of a model of `config` is full or sliding-window attention (a convolution, linear
+    attention, state-space or chunked-attention layer), or None."""
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds <= ATTENTION_LAYERS:
+        return f"not all of its layers are full or sliding-window attention (config.layer_types: {sorted(kinds)})"
     return None
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ketch.algorithms.router import load_balancing_loss
-from ketch.architecture import disable_dropout, logit_transform, router, router_outputs
+from ketch.architecture import decoder, disable_dropout, logit_transform, router, router_outputs
 from ketch.engine.log_probs import token_log_probs
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 from ketch.engine.sequence_parallel import sharded_states
@@ -57,12 +57,12 @@ class PolicyModel(nn.Module):
         its router's load-balancing loss over the real tokens, `router_aux_loss` (a float32 scalar)."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
         self.router_logits.clear()
-        decoder = self.lm.get_decoder()
+        backbone = decoder(self.lm)
         if self.sequence_parallel is not None:
             args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
-            states, labels, place = sharded_states(decoder, *args)
+            states, labels, place = sharded_states(backbone, *args)
         else:
-            hidden = backbone_hidden(decoder, input_ids, attention_mask, position_ids, self.packed, host)
+            hidden = backbone_hidden(backbone, input_ids, attention_mask, position_ids, self.packed, host)
             valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
             states = hidden[:, -response_len - 1 : -1][valid]
             labels = input_ids[:, -response_len:][valid]

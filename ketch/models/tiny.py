@@ -90,6 +90,13 @@ FAMILY_SETTINGS: dict[str, dict] = {
         "topk_group": 1,
     },
     "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "llama4_text": {  # chunked attention in every layer
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "head_dim": 16,
+        "intermediate_size_mlp": 128,
+        "attention_chunk_size": SLIDING,
+    },
 }
 """Per family of `ketch.architecture.FAMILIES`: what its tiny config sets beside `FAMILY_SIZES` and 2 key/value
 heads (None: left to the family's own default)."""
