@@ -224,32 +224,37 @@ def attention_implementation_problem(config: Any, requested: str) -> str | None:
 
 
 def packing_problem(model: nn.Module) -> str | None:
-    """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: its
-    attention must go through transformers' attention interface (which carries the sequence offsets to the
-    packed attention) and compute nothing the packed attention leaves out (`_attention_problem`), and every layer
-    must attend (a linear-attention or state-space layer would run over the packed row as one sequence)."""
-    if not getattr(model, "_supports_attention_backend", False):
-        return "its attention does not go through transformers' attention interface"
-    return _attention_problem(model) or _layer_problem(model.config)
+    """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: the sequence
+    offsets must reach the packed attention through transformers' attention interface, and the model must need no
+    more than it computes (`_fast_path_problem`)."""
+    return _fast_path_problem(model)
 
 
 def static_decoding_problem(model: nn.Module) -> str | None:
     """Why the static decoder (`rollout/static_decoding.py`) cannot decode `model`, or None when it can: every
-    block has one attention module that calls transformers' attention interface (which the decoder's KV cache
-    hooks into), computing nothing the decoder's attention leaves out, every layer attends, and keys and values
-    have the config's head size (the cache's pages hold one size)."""
+    block has one attention module, whose calls to transformers' attention interface the decoder's KV cache hooks
+    into, the model needs no more than the decoder's attention computes (`_fast_path_problem`), and keys and
+    values have the config's head size (the cache's pages hold one size)."""
     blocks = decoder_blocks(model)
     if not blocks or any(block_attention(block) is None for block in blocks):
         return "its decoder blocks have no single attention module each"
-    if not getattr(model, "_supports_attention_backend", False):
-        return "its attention does not go through transformers' attention interface"
-    problem = _attention_problem(model) or _layer_problem(model.config)
+    problem = _fast_path_problem(model)
     if problem:
         return problem
     attention, head_dim = block_attention(blocks[0]), attention_shape(model.config).head_dim
     if {getattr(attention, "qk_head_dim", head_dim), getattr(attention, "v_head_dim", head_dim)} != {head_dim}:
         return "its keys and values are not of its config's head size (multi-head latent attention)"
     return None
+
+
+def _fast_path_problem(model: nn.Module) -> str | None:
+    """What keeps `model` off ketch's own attention (packed and decode), or None: attention outside transformers'
+    interface, attention that computes more than scaled dot-product attention (`_attention_problem`), or layers
+    that are not full or sliding-window attention (a convolution or linear-attention layer would run over a
+    packed row as one sequence)."""
+    if not getattr(model, "_supports_attention_backend", False):
+        return "its attention does not go through transformers' attention interface"
+    return _attention_problem(model) or _layer_problem(model.config)
 
 
 def _attention_problem(model: nn.Module) -> str | None:

@@ -100,10 +100,9 @@ def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Chec
         problem = static_decoding_problem(model)
         rollout = f"generate: {problem}" if problem else "static decoder"
     attention = attention_implementation(model_config, m.attn_implementation) or model.config._attn_implementation
-    detail = f"{type(model).__name__}: training forwards {training}; rollout: {rollout}; transformers attention: "
-    detail += attention
+    paths = f"training forwards {training}; rollout: {rollout}; transformers attention: {attention}"
     problem = attention_implementation_problem(model_config, m.attn_implementation)
-    return Check("model paths", "warn" if problem else "ok", detail, problem or "")
+    return Check("model paths", "warn" if problem else "ok", f"{type(model).__name__}: {paths}", problem or "")
 
 
 def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from ketch.architecture import (
     causal_lm_problem,
     value_head_problem,
 )
-from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
+from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token, say_once
 
 logger = logging.getLogger("ketch.models")
 
@@ -171,7 +170,7 @@ def _from_pretrained(auto_cls, path: str, config, kwargs: dict[str, Any], what: 
     (`ketch.architecture.attention_implementation`; a kernel that would change its logits is warned of once)."""
     problem = attention_implementation_problem(config, kwargs["attn_implementation"])
     if problem:
-        _warn_once(problem)
+        say_once(problem, logging.WARNING)
     kwargs = {**kwargs, "attn_implementation": attention_implementation(config, kwargs["attn_implementation"])}
     try:
         return auto_cls.from_pretrained(path, config=config, **kwargs)
@@ -256,8 +255,3 @@ def local_or_hub(path: str) -> str:
     """An existing local path made absolute (worker processes may run elsewhere), else the hub id as given."""
     local = Path(path).expanduser()
     return str(local.resolve()) if local.exists() else path
-
-
-@cache
-def _warn_once(message: str) -> None:
-    logger.warning(message)

@@ -81,7 +81,7 @@ def ensure_eos_token(tokenizer, model_path: str) -> None:
     if eos_ids:
         was = tokenizer.eos_token
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
-        _say_once(
+        say_once(
             f"the tokenizer of {model_path} names EOS {was!r}; using the generation config's {tokenizer.eos_token!r}"
         )
 
@@ -100,7 +100,7 @@ def ensure_pad_token(tokenizer, model_path: str) -> None:
     for token_id, why in candidates:
         if token_id is not None and token_id not in starts and token_id < len(tokenizer):
             tokenizer.pad_token = tokenizer.convert_ids_to_tokens(int(token_id))
-            _say_once(f"the tokenizer of {model_path} has {was}; padding with {tokenizer.pad_token!r} ({why})")
+            say_once(f"the tokenizer of {model_path} has {was}; padding with {tokenizer.pad_token!r} ({why})")
             return
     new_id, vocab_size = len(tokenizer), _model_file(model_path, "config.json").get("vocab_size")
     if vocab_size is not None and new_id >= vocab_size:
@@ -109,12 +109,13 @@ def ensure_pad_token(tokenizer, model_path: str) -> None:
             "embeddings leave no room for a new token; save the tokenizer with a pad token (tokenizer.pad_token = ...)"
         )
     tokenizer.add_special_tokens({"pad_token": ADDED_PAD_TOKEN})
-    _say_once(
+    say_once(
         f"the tokenizer of {model_path} has {was} and no EOS that can pad; added {ADDED_PAD_TOKEN!r} (id {new_id})"
     )
 
 
-def _say_once(message: str) -> None:
+def say_once(message: str, level: int = logging.INFO) -> None:
+    """Log `message` at `level` the first time this process says it (models load once per role and worker)."""
     if message not in _said:
         _said.add(message)
-        logger.info(message)
+        logger.log(level, message)
