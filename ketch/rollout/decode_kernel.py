@@ -109,7 +109,9 @@ def _decode_attention(
     d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
     q_offsets = ((row * tl.num_programs(1) + head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
-    q_mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    # a power of two has no lane to mask: those sizes compile as measured before other sizes were taken
+    dims = tl.full([1, DIM_PAD], 1, tl.int1) if DIM_PAD == HEAD_DIM else d[None, :] < HEAD_DIM
+    q_mask = (g[:, None] < GROUP) & dims
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
     end = tl.load(slot_ptr) + 1
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -118,7 +120,7 @@ def _decode_attention(
     for start in range(0, end, BLOCK_N):
         slots = start + n
         seen = tl.load(filled_ptr + row * filled_row + slots * filled_slot, mask=slots < end, other=0) != 0
-        kv_mask = seen[:, None] & (d[None, :] < HEAD_DIM)
+        kv_mask = seen[:, None] & dims
         page = tl.load(table_ptr + row * table_row + start // PAGE)
         within = (start % PAGE + n)[:, None]
         k = tl.load(k_ptr + page * k_page + head * k_head + within * k_slot + d[None, :], mask=kv_mask, other=0.0)
