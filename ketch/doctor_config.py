@@ -79,14 +79,7 @@ def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Chec
         return None
     gpu = config.uses_gpu(gpu_visible)
     m, r = config.model, config.rollout
-    packing = m.use_remove_padding if m.use_remove_padding is not None else gpu
-    if config.actor.strategy == "megatron":
-        training = "Megatron-Core (actor.strategy=megatron)"
-    elif not packing:
-        training = "padded (model.use_remove_padding is off" + (" on CPUs)" if m.use_remove_padding is None else ")")
-    else:
-        problem = packing_problem(model)
-        training = f"padded: {problem}" if problem else "packed, padding-free"
+    training = _training_forwards(config, model, gpu)
     static = r.hf_decoding == "static" or (r.hf_decoding == "auto" and gpu)
     if r.name != "hf":
         rollout = r.name
@@ -99,10 +92,27 @@ def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Chec
     else:
         problem = static_decoding_problem(model)
         rollout = f"generate: {problem}" if problem else "static decoder"
-    attention = attention_implementation(model_config, m.attn_implementation) or model.config._attn_implementation
-    paths = f"training forwards {training}; rollout: {rollout}; transformers attention: {attention}"
+    paths = f"training forwards {training}; rollout: {rollout}; transformers attention: {_attention(config, model)}"
     problem = attention_implementation_problem(model_config, m.attn_implementation)
     return Check("model paths", "warn" if problem else "ok", f"{type(model).__name__}: {paths}", problem or "")
+
+
+def _training_forwards(config: KetchConfig, model: torch.nn.Module, gpu: bool) -> str:
+    """How the actor's training forwards run for the meta-device `model`: Megatron-Core, packed, or padded and
+    why."""
+    m = config.model
+    if config.actor.strategy == "megatron":
+        return "Megatron-Core (actor.strategy=megatron)"
+    if not (m.use_remove_padding if m.use_remove_padding is not None else gpu):
+        return "padded (model.use_remove_padding is off" + (" on CPUs)" if m.use_remove_padding is None else ")")
+    problem = packing_problem(model)
+    return f"padded: {problem}" if problem else "packed, padding-free"
+
+
+def _attention(config: KetchConfig, model: torch.nn.Module) -> str:
+    """Transformers' attention kernel for the meta-device `model`'s padded forwards and `generate`."""
+    requested = config.model.attn_implementation
+    return attention_implementation(model.config, requested) or model.config._attn_implementation
 
 
 def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
@@ -195,10 +205,13 @@ def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) ->
     CPUs or without a model config."""
     if model_config is None or not config.uses_gpu(gpu_bytes is not None):
         return None
-    parameters = parameter_count(model_config, config.model.trust_remote_code)
-    if parameters is None:
+    model = meta_model(model_config, config.model.trust_remote_code)
+    if model is None:
         return Check("GPU memory", "warn", "not estimated: the model's architecture did not build without weights")
-    phases = gpu_memory_parts(config, model_config, parameters, gpu_bytes or 0)
+    parameters = sum(p.numel() for p in model.parameters())
+    padded = _training_forwards(config, model, gpu=True).startswith("padded")
+    attention = _attention(config, model) if padded else None
+    phases = gpu_memory_parts(config, model_config, parameters, gpu_bytes or 0, attention)
     listed = [
         f"{phase} {sum(parts.values()) / GIB:.1f} GiB ("
         + ", ".join(f"{part} {size / GIB:.1f}" for part, size in parts.items())
@@ -214,12 +227,13 @@ def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) ->
     detail += f"; the GPU has {gpu_bytes / GIB:.1f} GiB"
     if most <= TIGHT * gpu_bytes:
         return Check("GPU memory", "ok", detail)
-    return Check("GPU memory", "FAIL" if most > gpu_bytes else "warn", detail, _memory_fix(config))
+    fix = _memory_fix(config, eager=attention == "eager")
+    return Check("GPU memory", "FAIL" if most > gpu_bytes else "warn", detail, fix)
 
 
-def _memory_fix(config: KetchConfig) -> str:
+def _memory_fix(config: KetchConfig, eager: bool) -> str:
     """The settings that shrink what a run keeps on each GPU, those that are off: the state's, then the
-    activations'."""
+    activations' (with `eager` attention, a kernel that keeps no scores first)."""
     roles = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
     switches = [f"{n}.optim.offload=true" for n, r in roles.items() if r.strategy == "fsdp" and not r.optim.offload]
     r = config.rollout
@@ -227,6 +241,8 @@ def _memory_fix(config: KetchConfig) -> str:
         switches.append("rollout.free_memory_while_training=true")
     if r.name == "hf" and r.placement == "hybrid" and r.max_num_batched_tokens is None:
         switches.append("rollout.max_num_batched_tokens (the KV cache's tokens)")
+    if eager:
+        switches.append("model.attn_implementation=flash_attention_2 (where installed: eager keeps every score)")
     switches += _activation_switches(config)
     return " or ".join([*switches, "more GPUs (trainer.n_gpus_per_node, trainer.nnodes)", "Megatron TP/PP"])
 
@@ -246,13 +262,6 @@ def _activation_switches(config: KetchConfig) -> list[str]:
     if config.num_processes(gpu_visible=True) > a.ulysses_sequence_parallel_size:
         switches.append("actor.ulysses_sequence_parallel_size > 1 (over the GPUs of a node)")
     return switches
-
-
-def parameter_count(model_config: Any, trust_remote_code: bool) -> int | None:
-    """Parameters of the causal LM that `model_config` describes (tied ones once), built on the meta device
-    without weights; None where the architecture does not build that way."""
-    model = meta_model(model_config, trust_remote_code)
-    return None if model is None else sum(p.numel() for p in model.parameters())
 
 
 def meta_model(model_config: Any, trust_remote_code: bool) -> torch.nn.Module | None:

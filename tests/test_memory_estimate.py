@@ -4,11 +4,11 @@ reference, Megatron and vLLM."""
 
 from __future__ import annotations
 
-from transformers import Qwen2Config
+from transformers import Gemma2Config, Qwen2Config
 
 from ketch.config import load_config
 from ketch.config.memory import gpu_memory_parts
-from ketch.doctor_config import memory_row, parameter_count
+from ketch.doctor_config import memory_row, meta_model
 
 GIB = 2**30
 QWEN25_7B = Qwen2Config(
@@ -41,7 +41,7 @@ def test_the_7b_shape_on_one_gpu_needs_the_offload_the_freed_rollout_and_recompu
     process its gathered bf16 weights: far over an H200 (the run without options ran out of memory). With AdamW's
     moments offloaded, the rollout's memory freed while training, recomputation and micro-batches of 4,096 tokens,
     63.0 GiB (that run peaked at 65.9 GiB, capped at 78.5, with the lm-head chunks of 4,096 tokens then)."""
-    assert parameter_count(QWEN25_7B, trust_remote_code=False) == P
+    assert sum(p.numel() for p in meta_model(QWEN25_7B, trust_remote_code=False).parameters()) == P
     config = load_config(overrides=FIXED)
     parts = gpu_memory_parts(config, QWEN25_7B, P, 140 * GIB)
     rollout = {"rollout weights": 2 * P, "KV cache": KV}
@@ -124,7 +124,8 @@ def test_long_responses_count_their_activations_and_the_settings_that_shrink_the
 def test_a_critic_a_reference_megatron_shards_and_vllms_share():
     """PPO on 4 GPUs with Megatron TP=2 for actor and critic (state over the 2 ranks of a group, gradients kept
     between updates), KL in the reward (a bf16 reference sharded over all 4), vLLM taking half of a 100 GiB GPU
-    while it generates and nothing while the actor trains (it sleeps)."""
+    while it generates and nothing while the actor trains (it sleeps), when the update's activations count: the 64
+sequences of each of the 2 data-parallel ranks in one micro-batch, split over the tensor-parallel pair."""
     megatron = [
         f"{role}.{key}"
         for role in ("actor", "critic")
@@ -143,7 +144,11 @@ def test_a_critic_a_reference_megatron_shards_and_vllms_share():
     )
     parts = gpu_memory_parts(config, QWEN25_7B, P, 100 * GIB)
     state = {"actor state": 16 * P // 2, "critic state": 16 * P // 2, "reference": 2 * P // 4}
-    assert parts == {"update": state, "generation": {**state, "vLLM (rollout.gpu_memory_utilization)": 50 * GIB}}
+    activations = 32 * 384 * 28 * BLOCK + LM_HEAD  # 64 sequences a data-parallel rank, split over TP=2
+    assert parts == {
+        "update": {**state, "activations": activations},
+        "generation": {**state, "vLLM (rollout.gpu_memory_utilization)": 50 * GIB},
+    }
     assert (
         memory_row(config, QWEN25_7B, 100 * GIB).fix
         == "more GPUs (trainer.n_gpus_per_node, trainer.nnodes) or Megatron TP/PP"
@@ -169,3 +174,40 @@ def test_lora_keeps_a_frozen_bf16_base_trains_the_adapters_and_loads_no_referenc
     row = memory_row(config, QWEN25_7B, 140 * GIB)
     assert row.status == "ok"
     assert "update 100.7 GiB (actor state 16.6, activations 67.3, rollout weights 14.2, KV cache 2.6)" in row.detail
+
+
+def test_eager_attention_counts_its_scores_quadratic_in_the_sequence():
+    """Gemma 2 2B (its soft cap keeps it on eager attention and padded forwards) with 8k-token responses: one
+    sequence of 512 + 8,192 tokens a micro-batch keeps [8 heads, 8704, 8704] scores in each layer at 8 bytes a score
+    (softmax's float32 output, its bf16 copy, the cap's tanh): 2 layers' worth with recomputation (9.0 GiB), all 26
+    without (117.4 GiB, over the GPU: the fix names a kernel that keeps none). Flash attention keeps none."""
+    gemma2 = Gemma2Config(
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, vocab_size=256000, attn_logit_softcapping=50.0,
+    )  # fmt: skip
+    long = [
+        "trainer.device=cuda",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=16",
+        "rollout.n=4",
+        "data.max_prompt_length=512",
+        "data.max_response_length=8192",
+        "actor.optim.offload=true",
+        "rollout.free_memory_while_training=true",
+        "actor.use_dynamic_bsz=true",
+    ]
+    scores = 8 * 8704**2 * 8
+    row = memory_row(load_config(overrides=[*long, "model.gradient_checkpointing=true"]), gemma2, 140 * GIB)
+    assert row.status == "ok" and "eager attention scores 9.0" in row.detail and 2 * scores == 9_697_230_848
+    row = memory_row(load_config(overrides=long), gemma2, 140 * GIB)
+    assert row.status == "FAIL" and "eager attention scores 117.4" in row.detail
+    assert row.fix == (
+        "rollout.max_num_batched_tokens (the KV cache's tokens) or model.attn_implementation=flash_attention_2 (where "
+        "installed: eager keeps every score) or model.gradient_checkpointing=true or model.activation_offload=true or "
+        "a smaller actor.ppo_max_token_len_per_device (now 16384) or more GPUs (trainer.n_gpus_per_node, "
+        "trainer.nnodes) or Megatron TP/PP"
+    )
+    flash = memory_row(load_config(overrides=[*long, "model.attn_implementation=flash_attention_2"]), gemma2, None)
+    assert "eager" not in flash.detail and "activations" in flash.detail
+    llama = memory_row(load_config(overrides=[*long, "model.gradient_checkpointing=true"]), QWEN25_7B, None)
+    assert "eager" not in llama.detail

@@ -13,7 +13,10 @@ hidden + 4 x intermediate numbers are kept for the backward pass (the block's in
 output, MLP projections and their activation), which came within 20% of the peaks measured on the Qwen2.5-0.5B and
 7B shapes on an H200 (with the gathered bf16 weights a world of one process keeps from forward to backward); with
 recomputation, each block's input (none with `model.activation_offload`) and `RECOMPUTED_BLOCKS` blocks' worth;
-plus the lm-head pass's chunk of logits.
+plus the lm-head pass's chunk of logits, whatever the rollout. The Megatron engine's are counted alike, split over
+its tensor-parallel group (pipeline stages keep about one micro-batch of all layers between them). Transformers' eager attention (Gemma 2's soft cap, GPT-OSS's sinks,
+or asked for) also keeps every layer's `[heads, T, T]` scores, quadratic in the sequence length
+(`eager_score_bytes`: the bytes that saved-tensor hooks count on a tiny Gemma 2 and Llama on the CPU).
 """
 
 from __future__ import annotations
@@ -28,15 +31,22 @@ PHASES = ("update", "generation")
 RECOMPUTED_BLOCKS = 6
 """With recomputation, a block's activations per token times this (the recomputed block, its gradients, what the
 compiled block saves): the 7B shape's peaks at 4,096 and 16,384 tokens per micro-batch differed by 1.45 MB a token."""
+EAGER_LAYERS = 2
+"""With recomputation, eager attention's scores of this many layers at once: the recomputed layer's and their
+gradients."""
 LM_HEAD_BYTES = 3 * 4 * 2**26
 """The lm-head pass's chunk on a GPU: 2^26 logits (`ketch.engine.log_probs.LOGIT_ELEMENTS`) in about three float32
 tensors at a time (the fused kernels' inputs, outputs and the gradient)."""
 
 
-def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes: int) -> dict[str, dict[str, int]]:
+def gpu_memory_parts(
+    config: KetchConfig, model: Any, parameters: int, gpu_bytes: int, attention: str | None = None
+) -> dict[str, dict[str, int]]:
     """Bytes per GPU of each part, by phase, for a policy of `parameters` parameters whose Hugging Face config is
     `model` (layers, key/value heads, head size for the KV cache), on GPUs of `gpu_bytes` (vLLM's share). The
-    critic counts as the policy's size. Parts a phase does not hold are left out."""
+    critic counts as the policy's size. `attention` is transformers' attention kernel where the update's forwards
+    run padded (None where they are packed): `eager` adds its attention scores. Parts a phase does not hold are
+    left out."""
     parts: dict[str, dict[str, int]] = {phase: {} for phase in PHASES}
     frozen = _frozen_bytes(config)
     gpus = config.num_processes(gpu_visible=True)
@@ -53,15 +63,17 @@ def gpu_memory_parts(config: KetchConfig, model: Any, parameters: int, gpu_bytes
     if config.use_reference and not config.actor.lora.enabled:
         for phase in PHASES:
             parts[phase]["reference"] = parameters * frozen // gpus
+    parts["update"]["activations"] = activation_bytes(config, model)
+    if attention == "eager":
+        parts["update"]["eager attention scores"] = eager_score_bytes(config, model)
+    if gpus == 1 and config.actor.strategy == "fsdp" and not config.model.gradient_checkpointing:
+        parts["update"]["gathered weights"] = parameters * frozen  # kept from the forward to the backward pass
     r = config.rollout
     if r.placement == "standalone":
         return parts
     if r.name == "vllm":
         parts["generation"]["vLLM (rollout.gpu_memory_utilization)"] = int(r.gpu_memory_utilization * gpu_bytes)
         return parts
-    parts["update"]["activations"] = activation_bytes(config, model)
-    if gpus == 1 and config.actor.strategy == "fsdp" and not config.model.gradient_checkpointing:
-        parts["update"]["gathered weights"] = parameters * frozen  # kept from the forward to the backward pass
     rollout = {"rollout weights": parameters * frozen // r.tensor_parallel_size, "KV cache": _kv_bytes(config, model)}
     for phase in PHASES if not r.free_memory_while_training else ("generation",):
         parts[phase].update(rollout)
@@ -80,21 +92,43 @@ def lora_parameters(model: Any, rank: int) -> int:
 def activation_bytes(config: KetchConfig, model: Any) -> int:
     """The activations of one actor update micro-batch on one GPU (see the module's docstring): its tokens (a token
     budget, or the micro-batch's sequences of data.max_prompt_length + data.max_response_length tokens; a sequence
-    longer than the budget alone), shared over the sequence-parallel ranks."""
-    d, a, m = config.data, config.actor, config.model
-    sequence = d.max_prompt_length + d.max_response_length
-    if a.use_dynamic_bsz:
-        tokens = max(a.ppo_max_token_len_per_device, sequence)
-    else:
-        plan = derive_batch_plan(config, world_size=config.world_size(gpu_visible=True))
-        tokens = plan.actor.micro_batch_per_device * sequence
-    tokens = -(-tokens // a.ulysses_sequence_parallel_size)
+    longer than the budget alone), shared over the sequence-parallel ranks (Megatron's tensor-parallel ones)."""
+    m, a = config.model, config.actor
+    shards = a.megatron.tensor_model_parallel_size if a.strategy == "megatron" else a.ulysses_sequence_parallel_size
+    tokens = -(-_micro_batch_tokens(config) // shards)
     width = _frozen_bytes(config)
     block = (8 * model.hidden_size + 4 * intermediate_size(model)) * width
     if not m.gradient_checkpointing:
         return tokens * model.num_hidden_layers * block + LM_HEAD_BYTES
     checkpoints = 0 if m.activation_offload else model.num_hidden_layers * model.hidden_size * width
     return tokens * (RECOMPUTED_BLOCKS * block + checkpoints) + LM_HEAD_BYTES
+
+
+def eager_score_bytes(config: KetchConfig, model: Any) -> int:
+    """The attention scores that transformers' eager attention keeps in one actor update micro-batch on one GPU:
+    `[sequences, heads, T, T]` in each layer for T = data.max_prompt_length + data.max_response_length (the
+    sequence-parallel ranks share the heads), each score as softmax's float32 output and model.dtype's copy of it,
+    with a soft cap (Gemma 2) also the cap's tanh; with recomputation `EAGER_LAYERS` layers' worth. Flash and SDPA
+    kernels keep none of it."""
+    d = config.data
+    sequence = d.max_prompt_length + d.max_response_length
+    sequences = max(1, _micro_batch_tokens(config) // sequence)
+    heads = -(-attention_shape(model).heads // config.actor.ulysses_sequence_parallel_size)
+    width = _frozen_bytes(config)
+    per_score = 4 + width + (width if getattr(model, "attn_logit_softcapping", None) else 0)
+    layers = EAGER_LAYERS if config.model.gradient_checkpointing else model.num_hidden_layers
+    return sequences * heads * sequence**2 * per_score * layers
+
+
+def _micro_batch_tokens(config: KetchConfig) -> int:
+    """Tokens of one actor update micro-batch on one GPU: the token budget (a sequence longer than it alone), or
+    the micro-batch's sequences of data.max_prompt_length + data.max_response_length tokens."""
+    d, a = config.data, config.actor
+    sequence = d.max_prompt_length + d.max_response_length
+    if a.use_dynamic_bsz:
+        return max(a.ppo_max_token_len_per_device, sequence)
+    plan = derive_batch_plan(config, world_size=config.world_size(gpu_visible=True))
+    return plan.actor.micro_batch_per_device * sequence
 
 
 def _kv_bytes(config: KetchConfig, model: Any) -> int:
