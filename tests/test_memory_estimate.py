@@ -123,9 +123,9 @@ def test_long_responses_count_their_activations_and_the_settings_that_shrink_the
 
 def test_a_critic_a_reference_megatron_shards_and_vllms_share():
     """PPO on 4 GPUs with Megatron TP=2 for actor and critic (state over the 2 ranks of a group, gradients kept
-    between updates), KL in the reward (a bf16 reference sharded over all 4), vLLM taking half of a 100 GiB GPU
-    while it generates and nothing while the actor trains (it sleeps), when the update's activations count: the 64
-sequences of each of the 2 data-parallel ranks in one micro-batch, split over the tensor-parallel pair."""
+        between updates), KL in the reward (a bf16 reference sharded over all 4), vLLM taking half of a 100 GiB GPU
+        while it generates and nothing while the actor trains (it sleeps), when the update's activations count: the 64
+    sequences of each of the 2 data-parallel ranks in one micro-batch, split over the tensor-parallel pair."""
     megatron = [
         f"{role}.{key}"
         for role in ("actor", "critic")

@@ -14,9 +14,10 @@ output, MLP projections and their activation), which came within 20% of the peak
 7B shapes on an H200 (with the gathered bf16 weights a world of one process keeps from forward to backward); with
 recomputation, each block's input (none with `model.activation_offload`) and `RECOMPUTED_BLOCKS` blocks' worth;
 plus the lm-head pass's chunk of logits, whatever the rollout. The Megatron engine's are counted alike, split over
-its tensor-parallel group (pipeline stages keep about one micro-batch of all layers between them). Transformers' eager attention (Gemma 2's soft cap, GPT-OSS's sinks,
-or asked for) also keeps every layer's `[heads, T, T]` scores, quadratic in the sequence length
-(`eager_score_bytes`: the bytes that saved-tensor hooks count on a tiny Gemma 2 and Llama on the CPU).
+its tensor-parallel group (pipeline stages keep about one micro-batch of all layers between them). Transformers'
+eager attention (Gemma 2's soft cap, GPT-OSS's sinks, or asked for) also keeps every layer's `[heads, T, T]`
+scores, quadratic in the sequence length (`eager_score_bytes`: the bytes that saved-tensor hooks count on a tiny
+Gemma 2 and Llama on the CPU).
 """
 
 from __future__ import annotations
