@@ -242,7 +242,7 @@ def _memory_fix(config: KetchConfig, eager: bool) -> str:
     if r.name == "hf" and r.placement == "hybrid" and r.max_num_batched_tokens is None:
         switches.append("rollout.max_num_batched_tokens (the KV cache's tokens)")
     if eager:
-        switches.append("model.attn_implementation=flash_attention_2 (where installed: eager keeps every score)")
+        switches.append("model.attn_implementation=flash_attention_2 (where installed and the model takes it)")
     switches += _activation_switches(config)
     return " or ".join([*switches, "more GPUs (trainer.n_gpus_per_node, trainer.nnodes)", "Megatron TP/PP"])
 

@@ -203,7 +203,7 @@ def test_eager_attention_counts_its_scores_quadratic_in_the_sequence():
     assert row.status == "FAIL" and "eager attention scores 117.4" in row.detail
     assert row.fix == (
         "rollout.max_num_batched_tokens (the KV cache's tokens) or model.attn_implementation=flash_attention_2 (where "
-        "installed: eager keeps every score) or model.gradient_checkpointing=true or model.activation_offload=true or "
+        "installed and the model takes it) or model.gradient_checkpointing=true or model.activation_offload=true or "
         "a smaller actor.ppo_max_token_len_per_device (now 16384) or more GPUs (trainer.n_gpus_per_node, "
         "trainer.nnodes) or Megatron TP/PP"
     )
