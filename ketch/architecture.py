@@ -153,12 +153,23 @@ class Router:
 
 def router_outputs(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """The modules of a mixture of experts whose outputs hold its router logits `[tokens, experts]`, each with the
-    index of the logits in its output (transformers' own record of them, `_can_record_outputs`)."""
+    index of the logits in its output, from transformers' own record of them (`_can_record_outputs["router_logits"]`:
+    a module class, a suffix of the modules' names or an `OutputRecorder`, or a list of them; the index is 1 where
+    only a class or a name is given, as transformers takes it)."""
     recorders = [getattr(type(m), "_can_record_outputs", None) or {} for m in model.modules()]
-    spec = next((r["router_logits"] for r in recorders if "router_logits" in r), None)
-    if spec is None:
-        return []
-    return [(m, spec.index) for m in model.modules() if isinstance(m, spec.target_class)]
+    found = next((r["router_logits"] for r in recorders if "router_logits" in r), None)
+    outputs = []
+    for spec in found if isinstance(found, list) else [found] * (found is not None):
+        plain = isinstance(spec, (type, str))
+        target = spec if isinstance(spec, type) else None if plain else spec.target_class
+        suffix = spec if isinstance(spec, str) else None if plain else spec.class_name
+        index = 1 if plain else spec.index
+        outputs += [
+            (module, index)
+            for name, module in model.named_modules()
+            if (target is not None and isinstance(module, target)) or (suffix is not None and name.endswith(suffix))
+        ]
+    return outputs
 
 
 def router(config: Any) -> Router | None:

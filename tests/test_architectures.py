@@ -224,3 +224,41 @@ def test_ppo_with_a_critic_on_a_model_without_a_value_head_class_stops_at_start_
         "that has one"
     )
     PPOTrainer(tiny_config(f"model.path={path}", "algorithm.adv_estimator=grpo"))  # starts
+
+
+class _Router(torch.nn.Linear):
+    pass
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _Router(4, 2)
+
+
+def _moe(spec) -> torch.nn.Module:
+    """A model of two expert blocks whose class records its router logits by `spec`, as transformers' models do."""
+    model_class = type("TinyMoe", (torch.nn.Module,), {"_can_record_outputs": {"router_logits": spec}})
+    model = model_class()
+    model.layers = torch.nn.ModuleList([_Experts(), _Experts()])
+    return model
+
+
+def test_router_outputs_read_each_form_of_transformers_record():
+    """transformers records router logits by module class (index 1: Llama 4's `Llama4TextMoe` in transformers 5.17,
+    which stopped the GPU run), by a suffix of the module names, by an `OutputRecorder` with its own index (5.19's
+    `OutputRecorder(Llama4Router, index=1)`, Mixtral's index 0), or by a list of these."""
+    from transformers.utils.output_capturing import OutputRecorder
+
+    from ketch.architecture import router_outputs
+
+    def found(spec):
+        model = _moe(spec)
+        names = {id(m): n for n, m in model.named_modules()}
+        return [(names[id(m)], i) for m, i in router_outputs(model)]
+
+    assert found(_Experts) == [("layers.0", 1), ("layers.1", 1)]
+    assert found("gate") == [("layers.0.gate", 1), ("layers.1.gate", 1)]
+    assert found(OutputRecorder(_Router, index=0)) == [("layers.0.gate", 0), ("layers.1.gate", 0)]
+    assert found([OutputRecorder(_Router, index=0), "1"]) == [("layers.0.gate", 0), ("layers.1.gate", 0), ("layers.1", 1)]
+    assert router_outputs(torch.nn.Linear(2, 2)) == []
