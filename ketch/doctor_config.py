@@ -233,7 +233,7 @@ def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) ->
 
 def _memory_fix(config: KetchConfig, eager: bool) -> str:
     """The settings that shrink what a run keeps on each GPU, those that are off: the state's, then the
-    activations' (with `eager` attention, a kernel that keeps no scores first)."""
+    activations' (with `eager` attention, also a kernel that keeps no scores)."""
     roles = {"actor": config.actor} | ({"critic": config.critic} if config.use_critic else {})
     switches = [f"{n}.optim.offload=true" for n, r in roles.items() if r.strategy == "fsdp" and not r.optim.offload]
     r = config.rollout
