@@ -158,18 +158,24 @@ def router_outputs(model: nn.Module) -> list[tuple[nn.Module, int]]:
     only a class or a name is given, as transformers takes it)."""
     recorders = [getattr(type(m), "_can_record_outputs", None) or {} for m in model.modules()]
     found = next((r["router_logits"] for r in recorders if "router_logits" in r), None)
+    specs = [] if found is None else found if isinstance(found, list) else [found]
     outputs = []
-    for spec in found if isinstance(found, list) else [found] * (found is not None):
-        plain = isinstance(spec, (type, str))
-        target = spec if isinstance(spec, type) else None if plain else spec.target_class
-        suffix = spec if isinstance(spec, str) else None if plain else spec.class_name
-        index = 1 if plain else spec.index
+    for target, suffix, index in map(_recorded, specs):
         outputs += [
             (module, index)
             for name, module in model.named_modules()
             if (target is not None and isinstance(module, target)) or (suffix is not None and name.endswith(suffix))
         ]
     return outputs
+
+
+def _recorded(spec: Any) -> tuple[type | None, str | None, int]:
+    """The module class, module-name suffix and output index of one entry of transformers' `_can_record_outputs`."""
+    if isinstance(spec, type):
+        return spec, None, 1
+    if isinstance(spec, str):
+        return None, spec, 1
+    return spec.target_class, spec.class_name, spec.index
 
 
 def router(config: Any) -> Router | None:

@@ -35,6 +35,17 @@ FIXED = [  # the fixed GPU workload on one GPU: GRPO, 16 prompts x 8 samples, 12
     "data.max_response_length=256",
 ]
 
+LONG = [  # GRPO with long responses on one GPU: 16 prompts x 4 samples, state offloaded, micro-batches by tokens
+    "trainer.device=cuda",
+    "data.train_batch_size=16",
+    "actor.ppo_mini_batch_size=16",
+    "rollout.n=4",
+    "data.max_prompt_length=512",
+    "actor.optim.offload=true",
+    "rollout.free_memory_while_training=true",
+    "actor.use_dynamic_bsz=true",
+]
+
 
 def test_the_7b_shape_on_one_gpu_needs_the_offload_the_freed_rollout_and_recomputation_to_fit_80_gb():
     """One micro-batch of all 128 sequences (49,152 tokens) keeps 268.5 GiB of activations, and a world of one
@@ -89,18 +100,7 @@ def test_long_responses_count_their_activations_and_the_settings_that_shrink_the
     sequence (512 + 32,768 tokens, over the 16,384-token budget, alone) with recomputation keeps 45.8 GiB; the
     checkpoints in host memory take 0.2 MB a token off; the hf rollout's KV cache for 64 rows of 33,280 tokens
     (113.8 GiB) shrinks to one sub-batch of rollout.max_num_batched_tokens=133120 (4 rows)."""
-    long = [
-        "trainer.device=cuda",
-        "data.train_batch_size=16",
-        "actor.ppo_mini_batch_size=16",
-        "rollout.n=4",
-        "data.max_prompt_length=512",
-        "data.max_response_length=32768",
-        "actor.optim.offload=true",
-        "rollout.free_memory_while_training=true",
-        "model.gradient_checkpointing=true",
-        "actor.use_dynamic_bsz=true",
-    ]
+    long = [*LONG, "data.max_response_length=32768", "model.gradient_checkpointing=true"]
     config = load_config(overrides=long)
     tokens = 512 + 32768
     parts = gpu_memory_parts(config, QWEN25_7B, P, 140 * GIB)
@@ -185,17 +185,7 @@ def test_eager_attention_counts_its_scores_quadratic_in_the_sequence():
         hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
         num_key_value_heads=4, head_dim=256, vocab_size=256000, attn_logit_softcapping=50.0,
     )  # fmt: skip
-    long = [
-        "trainer.device=cuda",
-        "data.train_batch_size=16",
-        "actor.ppo_mini_batch_size=16",
-        "rollout.n=4",
-        "data.max_prompt_length=512",
-        "data.max_response_length=8192",
-        "actor.optim.offload=true",
-        "rollout.free_memory_while_training=true",
-        "actor.use_dynamic_bsz=true",
-    ]
+    long = [*LONG, "data.max_response_length=8192"]
     scores = 8 * 8704**2 * 8
     row = memory_row(load_config(overrides=[*long, "model.gradient_checkpointing=true"]), gemma2, 140 * GIB)
     assert row.status == "ok" and "eager attention scores 9.0" in row.detail and 2 * scores == 9_697_230_848

@@ -111,8 +111,7 @@ def eager_score_bytes(config: KetchConfig, model: Any) -> int:
     sequence-parallel ranks share the heads), each score as softmax's float32 output and model.dtype's copy of it,
     with a soft cap (Gemma 2) also the cap's tanh; with recomputation `EAGER_LAYERS` layers' worth. Flash and SDPA
     kernels keep none of it."""
-    d = config.data
-    sequence = d.max_prompt_length + d.max_response_length
+    sequence = _sequence_length(config)
     sequences = max(1, _micro_batch_tokens(config) // sequence)
     heads = -(-attention_shape(model).heads // config.actor.ulysses_sequence_parallel_size)
     width = _frozen_bytes(config)
@@ -124,12 +123,16 @@ def eager_score_bytes(config: KetchConfig, model: Any) -> int:
 def _micro_batch_tokens(config: KetchConfig) -> int:
     """Tokens of one actor update micro-batch on one GPU: the token budget (a sequence longer than it alone), or
     the micro-batch's sequences of data.max_prompt_length + data.max_response_length tokens."""
-    d, a = config.data, config.actor
-    sequence = d.max_prompt_length + d.max_response_length
+    a, sequence = config.actor, _sequence_length(config)
     if a.use_dynamic_bsz:
         return max(a.ppo_max_token_len_per_device, sequence)
     plan = derive_batch_plan(config, world_size=config.world_size(gpu_visible=True))
     return plan.actor.micro_batch_per_device * sequence
+
+
+def _sequence_length(config: KetchConfig) -> int:
+    """The longest sequence: data.max_prompt_length + data.max_response_length."""
+    return config.data.max_prompt_length + config.data.max_response_length
 
 
 def _kv_bytes(config: KetchConfig, model: Any) -> int:
@@ -137,14 +140,14 @@ def _kv_bytes(config: KetchConfig, model: Any) -> int:
     most the rows that rollout.max_num_batched_tokens holds), each of up to data.max_prompt_length +
     data.max_response_length tokens, keys and values in every layer. The static decoder's paged cache holds less
     where responses end early (`ketch/rollout/kv_pages.py`); this is its size when every response runs to the limit."""
-    d, r = config.data, config.rollout
+    r, sequence = config.rollout, _sequence_length(config)
     groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
-    rows = -(-d.train_batch_size * r.n // groups)
+    rows = -(-config.data.train_batch_size * r.n // groups)
     if r.max_num_batched_tokens is not None:
-        rows = min(rows, max(1, r.max_num_batched_tokens // (d.max_prompt_length + d.max_response_length)))
+        rows = min(rows, max(1, r.max_num_batched_tokens // sequence))
     shape = attention_shape(model)
     per_token = model.num_hidden_layers * 2 * max(1, shape.kv_heads // r.tensor_parallel_size) * shape.head_dim
-    return rows * (d.max_prompt_length + d.max_response_length) * per_token * _frozen_bytes(config)
+    return rows * sequence * per_token * _frozen_bytes(config)
 
 
 def _frozen_bytes(config: KetchConfig) -> int:
