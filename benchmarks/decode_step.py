@@ -13,6 +13,10 @@ over data-parallel GPUs needs a decode step that shrinks with its rows; this sho
 `--long-tail N` also decodes responses whose lengths spread up to N tokens (`rl_step.py --workload variable`'s
 stop tokens), the whole batch to its longest row against the unfinished rows compacted into smaller shapes, and
 reports the paged KV cache's size, the pages its rows held at most and what a cache of the whole length would take.
+`--floor` times one layer's decode attention at long contexts (`FLOOR_SHAPES`: rows x context) split over the cache
+as the decoder runs it, in one chunk per (row, key/value head) as before split-KV, and as torch SDPA on a contiguous
+cache, against the memory floor (the bytes of keys and values read / the GPU's copy bandwidth); `--long-step N`
+times one captured decode step at N tokens of context for each of `--rows`, with a profile of its kernels.
 
     PYTHONPATH=. python3 benchmarks/decode_step.py --rows 64 128 --parts --out benchmarks/results/x.json
 """
@@ -43,17 +47,19 @@ S = SCALES["full"]
 
 
 def cuda_seconds(fn, calls: int = 20, replays: int = 10) -> float:
-    """Seconds per call of `fn()`, captured `calls` times into one CUDA graph and replayed (launch cost gone)."""
+    """Seconds per call of `fn()`, captured `calls` times into one CUDA graph and replayed (launch cost gone); a
+    list of functions is called in turn (each on its own inputs, so that the GPU's L2 cache holds none of them)."""
+    fns = fn if isinstance(fn, list) else [fn]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
+        for i in range(3):
+            fns[i % len(fns)]()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -204,6 +210,99 @@ def sweep(rows: int) -> dict:
     return {"attention_us": attention, "sampler_us": sampler}
 
 
+FLOOR_SHAPES = ((1, 32768), (4, 32768), (64, 4096), (16, 8192), (64, 384), (128, 384))
+"""(rows, context) of `--floor`: the long tail at 32k, a batch at 4k and 8k, the fixed workload's shapes."""
+L2_BYTES = 2**28
+"""Keys and values per timed shape spread over copies of at least this many bytes: no call finds them in L2."""
+
+
+def copy_bandwidth() -> float:
+    """Bytes a second that a device-to-device copy of 1 GiB moves (read and written)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src), calls=5, replays=4)
+
+
+def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
+    """Microseconds of one layer's decode attention of `rows` rows at `length` slots of context (the model's heads,
+    bf16), each call on its own copy of the cache: the kernel as the decoder runs it (split over the cache), in one
+    chunk per (row, key/value head), and SDPA over a contiguous cache (no mask, GQA: its flash kernel), against the
+    floor of reading the keys and values once at `bandwidth`; with the split kernel's largest difference from
+    float32 SDPA."""
+    from ketch.rollout.decode_kernel import _sms, decode_attention, split_count
+
+    kv_heads, group, dim = S["kv_heads"], S["heads"] // S["kv_heads"], S["hidden"] // S["heads"]
+    kv_bytes = 2 * rows * kv_heads * length * dim * 2
+    copies = max(1, min(20, -(-L2_BYTES // kv_bytes)))
+    q = torch.randn(rows, kv_heads, group, dim, device="cuda", dtype=torch.bfloat16)
+    caches = [tuple(torch.randn(rows, kv_heads, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))]
+    caches += [tuple(t.clone() for t in caches[0]) for _ in range(copies - 1)]
+    pools = [(as_pages(k), as_pages(v)) for k, v in caches]
+    filled = torch.ones(rows, length, dtype=torch.bool, device="cuda")
+    slot, scale = torch.tensor([length - 1], device="cuda"), dim**-0.5
+    flat_q = q.reshape(rows, kv_heads * group, 1, dim)
+
+    def kernel(splits=None):
+        return [
+            partial(decode_attention, q, k, v, table, filled, slot, scale, splits=splits)
+            for (k, table), (v, _) in pools
+        ]
+
+    sdpa = [
+        partial(torch.nn.functional.scaled_dot_product_attention, flat_q, k, v, scale=scale, enable_gqa=True)
+        for k, v in caches
+    ]
+    k, v = caches[0]
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        flat_q.float(), k.float(), v.float(), scale=scale, enable_gqa=True
+    )
+    error = (kernel()[0]().reshape(exact.shape).float() - exact).abs().max().item()
+    floor_us = kv_bytes / bandwidth * 1e6
+    times = {
+        name: cuda_seconds(fns) * 1e6
+        for name, fns in (("split_kv", kernel()), ("one_chunk", kernel(1)), ("sdpa", sdpa))
+    }
+    record = {"rows": rows, "context": length, "splits": split_count(rows, kv_heads, length, _sms(0))}
+    record |= {f"{name}_us": round(us, 2) for name, us in times.items()}
+    record |= {f"{name}_over_floor": round(us / floor_us, 2) for name, us in times.items()}
+    return record | {"floor_us": round(floor_us, 2), "kv_mb": round(kv_bytes / 1e6, 2), "max_diff": round(error, 5)}
+
+
+def long_step(decoder: StaticDecoder, rows: int, length: int, profile: str | None) -> dict:
+    """Milliseconds of one captured decode step (decode, sampling, bookkeeping) of `rows` rows at `length` slots of
+    context, every slot filled and paged; with `profile`, a table of the step's kernels (20 replays)."""
+    ids = torch.randint(3, S["vocab"], (rows, S["prompt_len"]), device="cuda")
+    shape = (rows, S["prompt_len"] + length)
+    warm = (ids, torch.ones_like(ids), length, Sampling(True), None)
+    decoder.generate(*warm, pad_token_id=0, stop_after=2)
+    b = decoder.caches[shape]
+    b.provide(list(range(rows)), shape[1])  # every row's pages for the whole length: the pool grows
+    decoder.generate(*warm, pad_token_id=0, stop_after=2)  # captured again on the grown pool
+    (graph,) = b.graphs.values()
+    b.mask.fill_(True)
+
+    def replay():
+        b.slot.fill_(shape[1] - 3)
+        graph.replay()
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        replay()
+    torch.cuda.synchronize()
+    record = {"rows": rows, "context": shape[1], "step_ms": round((time.perf_counter() - start) / 50 * 1e3, 3)}
+    if profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=90)
+        Path(profile).mkdir(parents=True, exist_ok=True)
+        Path(profile, f"long_step_{rows}rows_{length}.txt").write_text(table)
+    decoder.release()
+    return record
+
+
 def benchmark_model(name: str) -> torch.nn.Module:
     """The fixed workload's Qwen2.5-0.5B shape, or the Qwen3-0.6B shape (28 layers, width 1,024, 16 query / 8
     key-value heads of 128 with head norms, tied), random bf16 weights on the GPU."""
@@ -264,6 +363,9 @@ def main() -> None:
     parser.add_argument(
         "--long-tail", type=int, help="also decode responses spread up to this many tokens, with and without compaction"
     )
+    parser.add_argument("--floor", action="store_true", help="time decode attention at long contexts against the floor")
+    parser.add_argument("--long-step", type=int, help="time one captured decode step of --rows at this context")
+    parser.add_argument("--skip-generation", action="store_true", help="leave out the whole generations of --rows")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.unfused:
@@ -271,8 +373,16 @@ def main() -> None:
         fused_projections.MLPS.clear()
     decoder = StaticDecoder(benchmark_model(args.model), compile_step=True)
     results = {"scale": args.model, "unfused": args.unfused, "device": torch.cuda.get_device_name(), "by_rows": []}
+    if args.floor:
+        bandwidth = copy_bandwidth()
+        results |= {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor": []}
+        for rows, length in FLOOR_SHAPES:
+            results["floor"].append(attention_floor(rows, length, bandwidth))
+            print(json.dumps(results["floor"][-1]), flush=True)
     for rows in args.rows:
-        record = generation(decoder, rows, args.steps, args.profile)
+        record = {"rows": rows} if args.skip_generation else generation(decoder, rows, args.steps, args.profile)
+        if args.long_step:
+            record["long_step"] = long_step(decoder, rows, args.long_step, args.profile)
         if args.parts:
             record |= {
                 "attention_us": attention_parts(rows),

@@ -1,5 +1,5 @@
 """The Triton decode-attention kernel (`ketch/rollout/decode_kernel.py`), run by Triton's interpreter on the CPU,
-over a paged cache against PyTorch's attention over the filled slots."""
+over a paged cache against PyTorch's attention over the filled slots, in one chunk and split over the cache."""
 
 from __future__ import annotations
 
@@ -14,49 +14,106 @@ import torch
 
 pytest.importorskip("triton")
 
-CASE = textwrap.dedent(
+CASES = textwrap.dedent(
     """
     import json, sys, torch
     from ketch.rollout.decode_kernel import decode_attention
     from ketch.rollout.kv_pages import as_pages
 
-    g = torch.Generator().manual_seed(0)
-    rows, kv_heads, group, head_dim, length, slot = 4, 2, 7, int(sys.argv[1]), 300, 260
-    q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
-    k, v = (torch.randn(rows, kv_heads, length, head_dim, generator=g) for _ in range(2))
-    filled = torch.zeros(rows, length, dtype=torch.bool)
-    filled[0, : slot + 1] = True      # no padding
-    filled[1, 140 : slot + 1] = True  # left padding past the first block of 128 slots
-    filled[2, slot] = True            # only the new token
-    filled[3, 3 : slot + 1 : 2] = True
-    filled[:, slot + 1 :] = True      # past the new token's slot: never read, even where marked filled
-    k[:, :, slot + 1 :] = float("nan")
-    v[:, :, slot + 1 :] = float("nan")
-    (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)  # 3 pages of 128 slots a row, in reverse order
-    out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3)
-    seen = filled[:, None, None, : slot + 1]
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        q, k[:, :, : slot + 1], v[:, :, : slot + 1], attn_mask=seen, scale=0.3
-    )
-    only_slot = (out[2] - v[2, :, slot : slot + 1]).abs().max().item()
-    print(json.dumps({"max_diff": (out - expected).abs().max().item(), "only_slot_diff": only_slot,
-                      "shape": list(out.shape), "finite": bool(out.isfinite().all())}))
+    def case(rows, head_dim, splits, window):
+        g = torch.Generator().manual_seed(rows)
+        kv_heads, group, length, slot = 2, 7, 300, 260
+        q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
+        k, v = (torch.randn(rows, kv_heads, length, head_dim, generator=g) for _ in range(2))
+        filled = torch.zeros(rows, length, dtype=torch.bool)
+        for row in range(rows):
+            filled[row, [0, 140, slot, 3][row % 4] : slot + 1 : 1 + (row % 4 == 3)] = True
+        if window:  # a sliding window of `window` slots back from the new token's
+            filled &= torch.arange(length) > slot - window
+        filled[:, slot + 1 :] = True  # past the new token's slot: never read, even where marked filled
+        k[:, :, slot + 1 :] = float("nan")
+        v[:, :, slot + 1 :] = float("nan")
+        (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)  # 3 pages of 128 slots a row, in reverse order
+        if rows > 1:
+            table[1] = 0  # a row that holds no page (finished) reads nothing
+        out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3, splits=splits)
+        seen = filled[:, None, None, : slot + 1]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k[:, :, : slot + 1], v[:, :, : slot + 1], attn_mask=seen, scale=0.3
+        )
+        attended = [row for row in range(rows) if row != 1 or rows == 1]
+        result = {
+            "max_diff": (out[attended] - expected[attended]).abs().max().item(),
+            "shape": list(out.shape),
+            "finite": bool(out.isfinite().all()),
+        }
+        if rows > 1:
+            result["no_page_max"] = out[1].abs().max().item()
+        if rows > 2:
+            result["only_slot_diff"] = (out[2] - v[2, :, slot : slot + 1]).abs().max().item()
+        return result
+
+    print(json.dumps([case(*args) for args in json.loads(sys.argv[1])]))
     """
 )
 
 
-@pytest.mark.parametrize("head_dim", [16, 80])
-def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only(head_dim):
-    """4 rows x 2 key/value heads x 7 query heads each, 300 cache slots of which 261 up to the new token's slot:
-    left padding, a row that sees its new token only, gaps; NaN past the slot is never read. Head size 80 (Phi's)
-    is computed in 128 lanes with the last 48 masked."""
+def run_cases(cases: list[tuple]) -> list[dict]:
+    """The kernel on each `(rows, head_dim, splits, window)` in one interpreted process (imports once)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-c", CASE, str(head_dim)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", CASES, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["shape"] == [4, 2, 7, head_dim] and result["finite"]
-    assert result["max_diff"] < 1e-5 and result["only_slot_diff"] < 1e-6
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():
+    """4 rows x 2 key/value heads x 7 query heads each, 300 cache slots of which 261 up to the new token's slot:
+    no padding, left padding past the first block of 128 slots, a row that sees its new token only, gaps; NaN past
+    the slot is never read, and a row whose table names no page gives zeros. Head size 80 (Phi's) is computed in
+    128 lanes with the last 48 masked; one chunk."""
+    for head_dim, result in zip((16, 80), run_cases([(4, 16, 1, 0), (4, 80, 1, 0)]), strict=True):
+        assert result["shape"] == [4, 2, 7, head_dim] and result["finite"]
+        assert result["max_diff"] < 1e-5 and result["only_slot_diff"] < 1e-6
+        assert result["no_page_max"] == 0.0
+
+
+SPLIT_CASES = [
+    (1, 16, 2, 0),  # one row: the cache in two chunks of 256 and 5 slots (whole blocks of 128)
+    (1, 16, 8, 0),  # 8 chunks of one block: the last 5 hold nothing and merge as nothing
+    (4, 16, 3, 0),  # three chunks of one block each, the left padding of row 1 wholly inside the second
+    (4, 80, 3, 0),
+    (64, 16, 4, 0),
+    (4, 16, 3, 100),  # a sliding window: slots 161..260 only, across the second and third chunks
+    (64, 16, 2, 40),
+]
+
+
+def test_split_kv_attention_equals_attention_over_the_whole_cache():
+    """The cache split into chunks whose outputs merge by their log-sum-exps: at 1, 4 and 64 rows, 2 to 8 splits
+    (some of them empty), head sizes 16 and 80, with and without a sliding window, the same attention as SDPA over
+    the filled slots, to 1e-5 in float32; a row with no page still gives zeros."""
+    for case, result in zip(SPLIT_CASES, run_cases(SPLIT_CASES), strict=True):
+        rows, head_dim, _, _ = case
+        assert result["shape"] == [rows, 2, 7, head_dim] and result["finite"], case
+        assert result["max_diff"] < 1e-5, (case, result)
+        assert result.get("no_page_max", 0.0) == 0.0, (case, result)
+
+
+def test_splits_fill_the_gpu_only_where_rows_and_heads_do_not():
+    """On 132 SMs (an H100/H200), 4 programs a SM: 1 row x 2 key/value heads at 32k slots takes 128 chunks of 256
+    slots; 4 rows 66; 64 rows at 4k 5; the fixed workload's 64 rows of 384 slots stay in one chunk, as do 512
+    slots (fewer than two chunks' minimum), and 256 rows at 32k."""
+    from ketch.rollout.decode_kernel import split_count
+
+    assert split_count(1, 2, 32768, 132) == 128
+    assert split_count(4, 2, 32768, 132) == 66
+    assert split_count(64, 2, 4096, 132) == 5
+    assert split_count(64, 2, 384, 132) == 1
+    assert split_count(1, 2, 511, 132) == 1
+    assert split_count(256, 2, 32768, 132) == 2
+    assert split_count(1, 2, 32768, 1) == 2
 
 
 def test_kernel_takes_head_sizes_of_16_to_256_and_float_caches():

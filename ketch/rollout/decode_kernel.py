@@ -1,17 +1,29 @@
-"""A Triton kernel for the static decoder's one-token attention on GPUs.
+"""A Triton kernel for the static decoder's one-token attention on GPUs, split over the KV cache (split-KV).
 
-One program per (row, key/value head) attends the query heads that share the key/value head, as one block of
-queries, over the row's KV cache from its first slot to the new token's slot and no further: the unfilled end of the
-cache is never read. The cache is paged (`kv_pages.py`): the row's n-th page of slots is at the pool page its table
-row names. Keys come in blocks of slots within a page (`_blocks`); the softmax is accumulated online (running
-maximum and sum), in float32. Masked slots (left padding, a sliding window's past) score -inf and are not read.
+Each program attends the query heads that share one key/value head, as one block of queries, over one chunk of a
+row's KV cache: programs `(row, key/value head, split)`, the cache from its first slot to the new token's slot cut
+into `splits` chunks of whole blocks. The unfilled end of the cache is never read. The cache is paged
+(`kv_pages.py`): the row's n-th page of slots is at the pool page its table row names; a row whose table names no
+page (a finished row, or one that pads a batch) reads nothing. Keys come in blocks of slots within a page
+(`_blocks`); the softmax is accumulated online (running maximum and sum), in float32. Masked slots (left padding,
+a sliding window's past) score -inf and are not read. With more than one split, each chunk's normalised output and
+its log-sum-exp go to float32 buffers that a second kernel merges (`_merge`). The split count depends only on the
+shape (rows, key/value heads, cache length) and the GPU's SM count (`split_count`), so a CUDA graph captured for a
+shape holds it; a chunk's length follows the new token's slot, read on the device.
 """
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
+
+MIN_SPLIT_SLOTS = 256
+"""The fewest cache slots a split is given: shorter chunks would spend more on the merge than they save."""
+PROGRAMS_PER_SM = 4
+"""Programs per SM that the splits aim for: a few rows at long context fill the GPU instead of a handful of SMs."""
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -20,6 +32,19 @@ def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     `[pages, kv_heads, page, head_dim]` with contiguous head dimensions."""
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
     return 16 <= query.shape[-1] <= 256 and query.dtype in dtypes and key.stride(-1) == value.stride(-1) == 1
+
+
+def split_count(rows: int, kv_heads: int, length: int, sms: int) -> int:
+    """Chunks to split each (row, key/value head)'s cache of `length` slots into, on a GPU of `sms` SMs: enough
+    programs for `PROGRAMS_PER_SM` a SM, chunks of at least `MIN_SPLIT_SLOTS` slots, 1 where the rows and heads
+    alone fill the GPU (the fixed workload's 64 rows of a few hundred slots)."""
+    wanted = -(-PROGRAMS_PER_SM * sms // (rows * kv_heads))
+    return max(1, min(wanted, length // MIN_SPLIT_SLOTS))
+
+
+@cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def decode_attention(
@@ -31,20 +56,35 @@ def decode_attention(
     slot: torch.Tensor,
     scale: float,
     blocks: dict | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """`query` `[rows, kv_heads, group, head_dim]` (the query heads of each key/value head) against the paged cache:
     pools `key`/`value` `[pages, kv_heads, page, head_dim]` under `table` `[rows, length / page]`, where `filled`
     `[rows, length]` (bool) and up to the slot `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in
-    `query`'s dtype. `blocks` overrides the launch settings of `_blocks` (`BLOCK_N`, which must divide the page,
-    `num_stages`, `num_warps`: what `benchmarks/decode_step.py --sweep` tries)."""
+    `query`'s dtype (zeros in rows whose table names no page). `blocks` overrides the launch settings of `_blocks`
+    (`BLOCK_N`, which must divide the page, `num_stages`, `num_warps`) and `splits` the split count of
+    `split_count` (what `benchmarks/decode_step.py --sweep` tries; on the CPU, under Triton's interpreter, 1)."""
     rows, kv_heads, group, head_dim = query.shape
     blocks = blocks or _blocks(head_dim)
     if key.shape[2] % blocks["BLOCK_N"]:
         raise ValueError(f"decode attention: blocks of {blocks['BLOCK_N']} slots do not divide pages of {key.shape[2]}")
+    if splits is None:
+        sms = _sms(query.device.index or 0) if query.is_cuda else 1
+        splits = split_count(rows, kv_heads, filled.shape[1], sms)
     query = query.contiguous()
     out = torch.empty_like(query)
+    lse = out  # unused with one split
+    if splits > 1:
+        out = query.new_empty(rows, kv_heads, splits, group, head_dim, dtype=torch.float32)
+        lse = query.new_empty(rows, kv_heads, splits, group, dtype=torch.float32)
+    sizes = {
+        "GROUP": group,
+        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": triton.next_power_of_2(head_dim),
+    }
     filled = filled.view(torch.uint8) if filled.dtype == torch.bool else filled
-    _decode_attention[(rows, kv_heads)](
+    _decode_attention[(rows, kv_heads, splits)](
         query,
         key,
         value,
@@ -52,21 +92,24 @@ def decode_attention(
         filled,
         slot,
         out,
+        lse,
         scale,
         *key.stride()[:3],
         *value.stride()[:3],
         table.stride(0),
         filled.stride(0),
         filled.stride(1),
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        SPLITS=splits,
         PAGE=key.shape[2],
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
+        **sizes,
         **blocks,
     )
-    return out
+    if splits == 1:
+        return out
+    merged = torch.empty_like(query)
+    _merge[(rows, kv_heads)](out, lse, merged, SPLITS=splits, **sizes)
+    return merged
 
 
 def _blocks(head_dim: int) -> dict:
@@ -85,6 +128,7 @@ def _decode_attention(
     filled_ptr,
     slot_ptr,
     out_ptr,
+    lse_ptr,
     scale,
     k_page,
     k_head,
@@ -95,6 +139,7 @@ def _decode_attention(
     table_row,
     filled_row,
     filled_slot,
+    SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -105,6 +150,7 @@ def _decode_attention(
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     n = tl.arange(0, BLOCK_N)
@@ -113,13 +159,17 @@ def _decode_attention(
     dims = tl.full([1, DIM_PAD], 1, tl.int1) if DIM_PAD == HEAD_DIM else d[None, :] < HEAD_DIM
     q_mask = (g[:, None] < GROUP) & dims
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-    end = tl.load(slot_ptr) + 1
+    paged = tl.load(table_ptr + row * table_row) != 0  # page 0 is the scratch page: the row holds none
+    end = tl.where(paged, tl.load(slot_ptr) + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks: a block never straddles two pages
+    first = split * chunk
+    last = tl.minimum(first + chunk, end)
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(first, last, BLOCK_N):
         slots = start + n
-        seen = tl.load(filled_ptr + row * filled_row + slots * filled_slot, mask=slots < end, other=0) != 0
+        seen = tl.load(filled_ptr + row * filled_row + slots * filled_slot, mask=slots < last, other=0) != 0
         kv_mask = seen[:, None] & dims
         page = tl.load(table_ptr + row * table_row + start // PAGE)
         within = (start % PAGE + n)[:, None]
@@ -134,5 +184,43 @@ def _decode_attention(
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         total = total * rescale + tl.sum(weights, 1)
         top = new_top
-    out = acc / total[:, None]
-    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]  # nothing seen: zeros
+    part = ((row * tl.num_programs(1) + head) * SPLITS + split) * GROUP + g
+    tl.store(out_ptr + part[:, None] * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLITS > 1:
+        tl.store(lse_ptr + part, top + tl.log(total), mask=g < GROUP)  # -inf where nothing was seen
+
+
+@triton.jit
+def _merge(
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    """One (row, key/value head): its splits' outputs `[SPLITS, GROUP, HEAD_DIM]`, weighed by the exponentials of
+    their log-sum-exps against the largest, as one softmax over the whole cache would have weighed them."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
+    first = (row * tl.num_programs(1) + head) * SPLITS
+    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for split in range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + (first + split) * GROUP + g, mask=g < GROUP, other=float("-inf")))
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for split in range(SPLITS):
+        part = (first + split) * GROUP + g
+        weight = tl.exp(tl.load(lse_ptr + part, mask=g < GROUP, other=float("-inf")) - shift)
+        acc += weight[:, None] * tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        total += weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    offsets = ((row * tl.num_programs(1) + head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
