@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name
 
 from ketch.cache import cache_root
 from ketch.config import BatchError, ConfigError, KetchConfig, load_config
-from ketch.preflight import GIB, Check, cache_row, existing_parent, output_dir_row, vllm_row
+from ketch.preflight import GIB, Check, cache_row, existing_parent, output_dir_row, run_dir_row, vllm_row
 from ketch.tracking_backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
@@ -45,7 +45,7 @@ def run_checks(config_path: str | None = None, overrides: list[str] | None = Non
     rows = [_python(), *_torch(env), _package("transformers"), *_ray(env), vllm_row(env), _shm(env)]
     out_dir = Path(env.trainer.default_local_dir) / env.trainer.experiment_name
     cache = _cache()
-    rows += [_disk(out_dir), output_dir_row(out_dir), cache, _trackers(env), config_row]
+    rows += [_disk(out_dir), output_dir_row(out_dir), run_dir_row(out_dir), cache, _trackers(env), config_row]
     if config is not None and cache.status == "FAIL":  # built-in models and data are made in the cache
         rows.append(Check("model, data", "warn", "not checked: the cache directory cannot be written", "fix it first"))
     elif config is not None:

@@ -1,7 +1,7 @@
-"""What a run checks before any model is built or warmed up, shared with `ketch doctor`: the output directory and
-the ketch cache directory can be written, and vLLM is installed in a supported version and imports when
-`rollout.name=vllm`; then the data files, the data sources that the registered scorers score, and the tools of a
-multi-turn rollout.
+"""What a run checks before any model is built or warmed up, shared with `ketch doctor`: no other run holds the run
+directory, the output directory and the ketch cache directory can be written, and vLLM is installed in a supported
+version and imports when `rollout.name=vllm`; then the data files, the data sources that the registered scorers
+score, and the tools of a multi-turn rollout.
 
 Each directory and vLLM check is a `Check` row (the rows of the `ketch doctor` table); `preflight` turns the failed
 ones into one `StartupError`, and the data and tools raise their own errors. The trainers call it first thing, so
@@ -26,6 +26,7 @@ from ketch.rewards import UnknownDataSourceError, known_data_sources
 from ketch.rewards.registry import scorer_for
 from ketch.rollout import vllm_adapter
 from ketch.rollout.multi_turn import environment_factory
+from ketch.trainer.run_dir import RunDirBusyError, busy_message, holder
 
 GIB = 2**30
 """Bytes per GiB, for the rows' figures."""
@@ -45,11 +46,14 @@ class StartupError(RuntimeError):
 
 
 def preflight(config: KetchConfig, required: Mapping[str, str], scored: bool = False) -> None:
-    """Every check a run of `config` can make before any model is built: raise `StartupError` listing each failed
-    row; then `DatasetError` for a data file that is missing, unreadable, empty or without a `required` column
-    (column -> the `data.` key that names it), with `scored` (PPO) `UnknownDataSourceError` for a data source that
-    no registered scorer scores, and an error for a tools or environment file that does not load."""
+    """Every check a run of `config` can make before any model is built: raise `RunDirBusyError` when another run
+    holds the run directory, `StartupError` listing each failed row; then `DatasetError` for a data file that is
+    missing, unreadable, empty or without a `required` column (column -> the `data.` key that names it), with
+    `scored` (PPO) `UnknownDataSourceError` for a data source that no registered scorer scores, and an error for a
+    tools or environment file that does not load."""
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
+    if owner := holder(run_dir):
+        raise RunDirBusyError(busy_message(run_dir, owner))
     rows = (output_dir_row(run_dir), cache_row(), vllm_row(config))
     failed = [f"{r.detail}: {r.fix}" for r in rows if r.status == "FAIL"]
     if failed:
@@ -112,6 +116,15 @@ def output_dir_row(out_dir: Path) -> Check:
         return Check("output dir", "FAIL", f"cannot write in {where} ({error})", fix)
     state = "exists" if out_dir.exists() else f"will be created in {where}"
     return Check("output dir", "ok", f"{out_dir} ({state}), writable")
+
+
+def run_dir_row(run_dir: Path) -> Check:
+    """Whether another run holds `run_dir` (its lock, `ketch/trainer/run_dir.py`)."""
+    if owner := holder(run_dir):
+        detail, fix = busy_message(run_dir, owner).split("; ", 1)
+        return Check("run dir", "FAIL", detail, fix)
+    state = "an earlier run's, not in use" if (run_dir / "config.json").is_file() else "no run there yet"
+    return Check("run dir", "ok", f"{run_dir} ({state})")
 
 
 def cache_row() -> Check:

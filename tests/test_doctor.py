@@ -42,6 +42,7 @@ def test_default_config_passes_on_this_machine(capsys):
         "/dev/shm",
         "disk",
         "output dir",
+        "run dir",
         "cache",
         "trackers",
         "config",

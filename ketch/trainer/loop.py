@@ -31,7 +31,7 @@ from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.oom_advice import out_of_memory_advice
-from ketch.trainer.run_dir import removed_if_start_fails
+from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails
 
 logger = logging.getLogger("ketch")
 
@@ -50,9 +50,11 @@ class TrainingLoop:
     val_history: list[dict[str, float]]
     failures: list[dict[str, Any]]
 
+    @owns_run_dir
     def fit(self) -> dict[str, float]:
         """Train until `total_steps`, recovering from failed steps, and export the model; returns the last step's
-        metrics. A failure that ends the run is recorded (event, summary, report) before it propagates."""
+        metrics. A failure that ends the run is recorded (event, summary, report) before it propagates. The run
+        directory is locked throughout (`owns_run_dir`)."""
         self._open()
         try:
             while True:

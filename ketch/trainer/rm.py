@@ -19,7 +19,7 @@ from ketch.tracking import Tracker, info
 from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import build_reward_model_group
-from ketch.trainer.run_dir import removed_if_start_fails
+from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails
 
 ROLE_DIR = "reward_model"
 """The reward model's part of a checkpoint directory."""
@@ -55,8 +55,10 @@ class RMTrainer:
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
 
+    @owns_run_dir
     def fit(self) -> dict[str, float]:
-        """Train, validate and checkpoint as described above; returns the last step's metrics."""
+        """Train, validate and checkpoint as described above; returns the last step's metrics. The run directory
+        is locked throughout (`owns_run_dir`)."""
         c = self.config
         with removed_if_start_fails(self.run_dir):
             self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,151 @@
-"""A start that fails leaves nothing that looks like a run."""
+"""A run owns its directory, and a start that fails leaves nothing that looks like a run.
+
+A run holds an exclusive OS lock (`fcntl.flock`) on `<run dir>/run.lock` from before it writes anything there until
+its last write. The lock belongs to the driver's open file, so the OS releases it when the process ends in any way,
+`kill -9` included: no stale lock survives. The file says which process holds it (host, pid, command), for the
+message a second run on the same directory stops with. Readers (resume, `ketch export`, `ketch report`) take no
+lock.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import functools
+import json
+import os
 import shutil
-from collections.abc import Iterator
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+LOCK_FILE = "run.lock"
+"""The file in a run directory that the run holding it locks."""
+
+
+class RunDirBusyError(RuntimeError):
+    """Another process holds the run directory's lock: the message names the directory, that process and the way
+    out."""
+
+
+def holder(run_dir: Path) -> dict[str, Any] | None:
+    """Who holds the lock of `run_dir` (`host`, `pid`, `command`, `since`), or None when no process does. It takes
+    the lock for an instant to find out, so a run starting at the same moment may see it busy."""
+    path = Path(run_dir) / LOCK_FILE
+    if not path.is_file():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
+    return None
+
+
+def busy_message(run_dir: Path, owner: dict[str, Any]) -> str:
+    """One line: the directory, the process that holds it, and what to do."""
+    who = f"pid {owner.get('pid', '?')} on host {owner.get('host', '?')}"
+    command = f" ({owner['command']})" if owner.get("command") else ""
+    return (
+        f"the run directory {run_dir} is in use by another run, {who}{command}; set another "
+        "trainer.experiment_name (or trainer.default_local_dir), or wait until that run ends"
+    )
+
+
+class RunDirLock:
+    """The exclusive lock of one run directory, held by this process between `acquire` and `release`."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        """Create the run directory if needed and lock it; raise `RunDirBusyError` when another process holds
+        it."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / LOCK_FILE
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _read_holder(fd) or {}
+                os.close(fd)
+                raise RunDirBusyError(busy_message(self.run_dir, owner)) from None
+            if _same_file(fd, path):  # else a failed start removed the directory after we opened the file
+                break
+            os.close(fd)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.fd = fd
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "command": _command(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(owner).encode(), 0)
+
+    def release(self) -> None:
+        """Give the lock up (closing the file releases it); the lock file stays, naming its last holder."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def owns_run_dir(method: Callable) -> Callable:
+    """Decorate a trainer's `fit`: the run directory (`self.run_dir`) is locked for the whole call."""
+
+    @functools.wraps(method)
+    def locked(self, *args: Any, **kwargs: Any) -> Any:
+        with RunDirLock(self.run_dir):
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @contextmanager
 def removed_if_start_fails(run_dir: Path) -> Iterator[None]:
     """Around a run's start (run directory, config.json, trackers, workers, resume): when it raises and the run
-    directory did not exist before, the directory is removed again; an existing run's directory stays."""
-    fresh = not Path(run_dir).exists()
+    directory held nothing before (or only the run's lock file), the directory is removed again; an existing run's
+    directory stays."""
+    run_dir = Path(run_dir)
+    fresh = not run_dir.exists() or {p.name for p in run_dir.iterdir()} <= {LOCK_FILE}
     try:
         yield
     except BaseException:
         if fresh:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _command() -> str:
+    """`ketch train` (`sft`, `rm`) for the command line, `python -m ketch` included; else the program's name."""
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+    if program.name == "ketch" or (program.name == "__main__.py" and program.parent.name == "ketch"):
+        return " ".join(["ketch", *sys.argv[1:2]])
+    return "python -c" if program.name == "-c" else program.name

@@ -22,7 +22,7 @@ from ketch.rollout.multi_turn import tool_schemas, turn_stop_strings
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
-from ketch.trainer.run_dir import removed_if_start_fails
+from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails
 from ketch.trainer.validation import generate_and_score
 
 
@@ -72,6 +72,7 @@ class SFTTrainer:
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
 
+    @owns_run_dir
     def fit(
         self,
         stop_when: Callable[[dict[str, float]], bool] | None = None,
