@@ -21,13 +21,14 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.models import ModelLoadError
     from ketch.preflight import StartupError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
+    from ketch.rollout.multi_turn import ToolError
     from ketch.rollout.vllm_adapter import VLLMUnavailableError
     from ketch.tracking import TrackerError
     from ketch.trainer.checkpoint import CheckpointError
     from ketch.trainer.loop import RunFailedError
     from ketch.trainer.run_dir import RunDirBusyError
 
-    data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError)
+    data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError, ToolError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
     run_errors += (CheckpointError, ExportError, StartupError, RunDirBusyError)
     return (*USER_ERRORS, *data_errors, *run_errors)

@@ -25,7 +25,18 @@ from packaging.utils import canonicalize_name
 
 from ketch.cache import cache_root
 from ketch.config import BatchError, ConfigError, KetchConfig, load_config
-from ketch.preflight import GIB, Check, cache_row, existing_parent, output_dir_row, run_dir_row, vllm_row
+from ketch.preflight import (
+    GIB,
+    Check,
+    attention_row,
+    cache_row,
+    existing_parent,
+    output_dir_row,
+    resume_row,
+    run_dir_row,
+    tools_row,
+    vllm_row,
+)
 from ketch.tracking_backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
@@ -42,10 +53,12 @@ def run_checks(config_path: str | None = None, overrides: list[str] | None = Non
     except (ConfigError, BatchError) as err:
         config, config_row = None, Check("config", "FAIL", str(err), "correct the keys named in the detail")
     env = config or load_config()
-    rows = [_python(), *_torch(env), _package("transformers"), *_ray(env), vllm_row(env), _shm(env)]
+    rows = [_python(), *_torch(env), _package("transformers"), *_ray(env), vllm_row(env), attention_row(env)]
+    rows.append(_shm(env))
     out_dir = Path(env.trainer.default_local_dir) / env.trainer.experiment_name
     cache = _cache()
-    rows += [_disk(out_dir), output_dir_row(out_dir), run_dir_row(out_dir), cache, _trackers(env), config_row]
+    rows += [_disk(out_dir), output_dir_row(out_dir), run_dir_row(out_dir), resume_row(env), cache, _trackers(env)]
+    rows.append(config_row)
     if config is not None and cache.status == "FAIL":  # built-in models and data are made in the cache
         rows.append(Check("model, data", "warn", "not checked: the cache directory cannot be written", "fix it first"))
     elif config is not None:
@@ -236,6 +249,7 @@ def _config_rows(config: KetchConfig) -> list[Check]:
     val, _ = data_row(config, "val_files", tokenizer)
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     optional = (
+        tools_row(config),
         paths_row(config, model_config, gpu_bytes is not None),
         parallel_row(config, model_config),
         memory_row(config, model_config, gpu_bytes),

@@ -11,6 +11,7 @@ nothing behind.
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,11 +26,17 @@ from ketch.data.parquet import Rows, read_parquet_files
 from ketch.rewards import UnknownDataSourceError, known_data_sources
 from ketch.rewards.registry import scorer_for
 from ketch.rollout import vllm_adapter
-from ketch.rollout.multi_turn import environment_factory
+from ketch.rollout.multi_turn import ToolError, environment_factory
 from ketch.trainer.run_dir import RunDirBusyError, busy_message, holder
 
 GIB = 2**30
 """Bytes per GiB, for the rows' figures."""
+
+ATTENTION_PACKAGES = {
+    "flash_attention_2": ("flash_attn", "flash-attn"),
+    "flash_attention_3": ("flash_attn_interface", ""),
+}
+"""The module that transformers imports for an attention kernel, and the package that installs it."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ def preflight(config: KetchConfig, required: Mapping[str, str], scored: bool = F
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
     if owner := holder(run_dir):
         raise RunDirBusyError(busy_message(run_dir, owner))
-    rows = (output_dir_row(run_dir), cache_row(), vllm_row(config))
+    rows = (output_dir_row(run_dir), resume_row(config), cache_row(), vllm_row(config), attention_row(config))
     failed = [f"{r.detail}: {r.fix}" for r in rows if r.status == "FAIL"]
     if failed:
         raise StartupError("cannot start the run:\n  - " + "\n  - ".join(failed))
@@ -118,6 +125,18 @@ def output_dir_row(out_dir: Path) -> Check:
     return Check("output dir", "ok", f"{out_dir} ({state}), writable")
 
 
+def resume_row(config: KetchConfig) -> Check:
+    """Whether the checkpoint that `trainer.resume_mode` names exists (when it names one)."""
+    mode = config.trainer.resume_mode
+    if mode in ("auto", "disable"):
+        return Check("resume", "ok", f"trainer.resume_mode={mode}")
+    if not Path(mode).is_dir():
+        detail = f"trainer.resume_mode={mode}: no such checkpoint directory"
+        fix = "give a checkpoint directory (<run dir>/checkpoints/global_step_N), or trainer.resume_mode=auto"
+        return Check("resume", "FAIL", detail, fix)
+    return Check("resume", "ok", f"trainer.resume_mode={mode}")
+
+
 def run_dir_row(run_dir: Path) -> Check:
     """Whether another run holds `run_dir` (its lock, `ketch/trainer/run_dir.py`)."""
     if owner := holder(run_dir):
@@ -153,3 +172,30 @@ def vllm_row(config: KetchConfig) -> Check:
         detail = f"vLLM {version} is installed, but `import vllm` fails with {error}"
         return Check("vllm", "FAIL", detail, f"pip install --force-reinstall 'vllm{spec}', or set rollout.name=hf")
     return Check("vllm", "ok", f"{version} (supported: {spec})")
+
+
+def attention_row(config: KetchConfig) -> Check:
+    """Whether the attention kernel of `model.attn_implementation` is installed (transformers imports it only when
+    a worker loads the model, minutes later)."""
+    requested = config.model.attn_implementation
+    if requested not in ATTENTION_PACKAGES:
+        return Check("attention", "ok", f"model.attn_implementation={requested}")
+    module, package = ATTENTION_PACKAGES[requested]
+    if importlib.util.find_spec(module) is not None:
+        return Check("attention", "ok", f"model.attn_implementation={requested} ({module} installed)")
+    install = f"pip install {package}" if package else f"install the module {module} (FlashAttention 3)"
+    detail = f"model.attn_implementation={requested}, but {module} is not installed"
+    return Check("attention", "FAIL", detail, f"{install}, or set model.attn_implementation=sdpa")
+
+
+def tools_row(config: KetchConfig) -> Check | None:
+    """Whether the tools or the environment of a multi-turn rollout load; None without one."""
+    mt = config.rollout.multi_turn
+    if not mt.enable:
+        return None
+    try:
+        environment_factory(config, tokenizer=None)
+    except ToolError as err:
+        return Check("tools", "FAIL", str(err), "correct rollout.multi_turn.tools or rollout.multi_turn.environment")
+    loaded = f"environment {mt.environment}" if mt.environment else f"tools {', '.join(mt.tools)}"
+    return Check("tools", "ok", f"{loaded}: loaded")

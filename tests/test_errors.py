@@ -246,8 +246,9 @@ def test_a_training_set_smaller_than_one_batch_is_a_one_line_error(capsys, tmp_p
 
 
 def test_a_start_that_fails_after_the_run_directory_was_made_removes_it(capsys, tmp_path, tiny_model_dir, task_files):
-    """The workers start, then the checkpoint to resume from turns out not to exist."""
+    """The workers start, then the checkpoint to resume from turns out not to be complete."""
     missing = tmp_path / "elsewhere" / "global_step_3"
+    missing.mkdir(parents=True)
     message = cli_error(
         capsys,
         "train",

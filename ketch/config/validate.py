@@ -236,9 +236,21 @@ def _betas(c: KetchConfig) -> str | None:
     optimizers = {
         "actor.optim": c.actor.optim,
         "critic.optim": c.critic.optim,
+    settings = {"tools": m.tools, "environment": m.environment}
+    given = [f"rollout.multi_turn.{k}={_listed(v)}" for k, v in settings.items() if v]
+    if given and not m.enable:
+        return (
+            f"{given[0]} is set, but rollout.multi_turn.enable=false: the rollout is single-turn and never uses "
+            "it; set rollout.multi_turn.enable=true (or drop it)"
+        )
         "reward.model.optim": c.reward.model.optim,
     }
     bad = [f"{key}.betas={o.betas}" for key, o in optimizers.items() if len(o.betas) != 2]
+def _listed(value: Any) -> str:
+    """A config value as it is written on the command line: `[a,b]` for a list."""
+    return f"[{','.join(map(str, value))}]" if isinstance(value, list | tuple) else str(value)
+
+
     return f"{', '.join(bad)}: AdamW takes two betas, e.g. [0.9, 0.999]" if bad else None
 
 
@@ -335,8 +347,7 @@ def _sequence_parallel(c: KetchConfig) -> str | None:
     for gpu_visible in (False, True):
         processes = c.num_processes(gpu_visible)
         if c.uses_gpu(gpu_visible) == gpu_visible and processes % size:
-            where = "trainer.n_gpus_per_node" if gpu_visible else "trainer.n_cpu_workers"
-            return f"{key} does not divide the {processes} worker processes (trainer.nnodes x {where})"
+            return _indivisible(c, key, size, gpu_visible)
     return None
 
 
@@ -347,6 +358,23 @@ def _rollout_is(c: KetchConfig) -> str | None:
     if a.old_log_prob_from_rollout and (a.rollout_is is not None or a.recompute_old_log_prob):
         given = "actor.rollout_is" if a.rollout_is is not None else "actor.recompute_old_log_prob=true"
         return f"actor.old_log_prob_from_rollout=true skips the training engine's old log-probs, which {given} needs"
+def _indivisible(c: KetchConfig, key: str, size: int, gpu: bool) -> str:
+    """Why `key` does not divide the worker processes of a machine with (`gpu`) or without GPUs; with
+    `trainer.device=auto`, where it divides the other device's processes, the device to pin."""
+    keys = {True: ("trainer.n_gpus_per_node", "GPU", "cuda"), False: ("trainer.n_cpu_workers", "CPU", "cpu")}
+    count = keys[gpu][0]
+    processes = c.num_processes(gpu)
+    where = " that trainer.device=auto starts " + ("where a GPU is visible" if gpu else "on a machine without GPUs")
+    problem = f"{key} does not divide the {processes} worker processes (trainer.nnodes x {count})"
+    if c.trainer.device != "auto" or c.num_processes(not gpu) % size:
+        return problem
+    other_count, other_kind, other_device = keys[not gpu]
+    return (
+        f"{problem}{where}; set trainer.device={other_device} to use the {c.num_processes(not gpu)} {other_kind} "
+        f"workers of {other_count}, or {count} to a multiple of {size}"
+    )
+
+
     return None
 
 
@@ -395,3 +423,12 @@ def _lora(c: KetchConfig) -> str | None:
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
 _CHECKS += (_sequence_parallel,)
+    default = LoraConfig().target_modules
+    unused = [key for key, lora in sections.items() if not lora.enabled and lora.target_modules != default]
+    if unused:
+        key = unused[0]
+        targets = _listed(sections[key].target_modules)
+        return (
+            f"{key}.target_modules={targets} is set, but {key}.rank=0: LoRA is off and every weight trains; set "
+            f"{key}.rank (e.g. 16) to train adapters on those layers, or drop {key}.target_modules"
+        )

@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ketch.controller.decorator import Registration, registered_methods
 from ketch.controller.dispatch import DataParallelLayout
-from ketch.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError, describe
+from ketch.controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError, describe, host_out_of_memory
 from ketch.controller.resource_pool import RayResourcePool
 
 STARTUP_TIMEOUT = 600.0
@@ -155,7 +155,7 @@ class RayWorkerGroup:
         names = "+".join(roles)
         refs = {r: a.where.remote() for r, a in enumerate(self.actors)}
         self.places = self.wait(names, "start-up", refs, timeout=STARTUP_TIMEOUT)
-        address, port = ray.get(self.actors[0].rendezvous.remote())
+        address, port = self.wait(names, "start-up", {0: self.actors[0].rendezvous.remote()})[0]
         master = {"MASTER_ADDR": address, "MASTER_PORT": str(port)}
         self.wait(names, "start-up", {r: a.set_env.remote(master) for r, a in enumerate(self.actors)})
         self.roles = {role: RoleGroup(self, role, spec.cls) for role, spec in roles.items()}
@@ -235,12 +235,13 @@ class RayWorkerGroup:
             cause = err.cause if isinstance(err.cause, BaseException) else err
             remote = _ANSI.sub("", str(err))  # Ray's header (process, node) and the worker-side traceback
             raise WorkerError(role, rank, f"{method} raised {describe(cause)}", cause, remote, method) from err
-        except RayActorError as err:
+        except (RayActorError, OutOfMemoryError) as err:
             place = self.places.get(rank, {}) if hasattr(self, "places") else {}
             where = f"node {place.get('node_ip', '?')}, pid {place.get('pid', '?')}"
-            raise WorkerDiedError(
-                role, rank, f"worker process died during {method} ({where}): {err}", err, method=method
-            ) from err
+            died = f"worker process died during {method} ({where}): {err}"
+            if isinstance(err, OutOfMemoryError) or "low on memory" in str(err):  # Ray's memory monitor killed it
+                died = host_out_of_memory(method, where, str(err))
+            raise WorkerDiedError(role, rank, died, err, method=method) from err
         except GetTimeoutError as err:
             raise WorkerTimeoutError(role, rank, f"{method} timed out", method=method) from err
 

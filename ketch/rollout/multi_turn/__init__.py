@@ -83,7 +83,7 @@ def load_environment_class(spec: str) -> type:
     path_text, _, name = spec.rpartition(":")
     path = Path(path_text).expanduser().resolve()
     if not path_text or not path.is_file():
-        raise ValueError(f"rollout.multi_turn.environment={spec!r}: give path/to/env.py:ClassName of an existing file")
+        raise ToolError(f"rollout.multi_turn.environment={spec!r}: give path/to/env.py:ClassName of an existing file")
     module_name = f"ketch_env_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -92,8 +92,8 @@ def load_environment_class(spec: str) -> type:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         problem = f"{type(exc).__name__}: {exc}"
-        raise ValueError(f"rollout.multi_turn.environment: importing {path} failed: {problem}") from exc
+        raise ToolError(f"rollout.multi_turn.environment: importing {path} failed: {problem}") from exc
     cls = getattr(module, name, None)
     if not (isinstance(cls, type) and hasattr(cls, "reset") and hasattr(cls, "step")):
-        raise ValueError(f"rollout.multi_turn.environment={spec!r}: {path} has no class {name!r} with reset and step")
+        raise ToolError(f"rollout.multi_turn.environment={spec!r}: {path} has no class {name!r} with reset and step")
     return cls
