@@ -38,6 +38,7 @@ from ketch.models import check_causal_lm, check_tokenizer_fits, check_value_head
 from ketch.preflight import preflight
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
+from ketch.rollout.multi_turn.metrics import ToolFailureWatch
 from ketch.trainer.balance import balance_tokens
 from ketch.trainer.builtin import local_or_hub, resolve_model_path
 from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_groups
@@ -92,6 +93,7 @@ class PPOTrainer(TrainingLoop):
         self.standalone: StandaloneRollout | None = None
 
     def _check_lora(self, model_config) -> None:
+        self.tool_failures = ToolFailureWatch()
         """LoRA settings that cannot apply to their models stop the run here (`check_lora`), before any worker."""
         c = self.config
         if c.actor.lora.enabled:
@@ -164,6 +166,7 @@ class PPOTrainer(TrainingLoop):
 
     # ----------------------------------------------------------------- stages
     def _generated(self, prompts: DataProto, step: int, timings: dict[str, float]) -> tuple[DataProto, dict]:
+        self.tool_failures(batch.non_tensor_batch, step)
         """This step's responses, scored. With `rollout.staleness=1` they were generated while the last step trained
         (or are generated now, at the first step), and the next step's generation starts before this one trains."""
         if not self.config.rollout.staleness:

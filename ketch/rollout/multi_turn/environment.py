@@ -10,6 +10,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from ketch.data.conversation import prompt_messages, row_tool_names
+from ketch.rollout.multi_turn.metrics import ERROR_PREFIX
 from ketch.rollout.multi_turn.parsers import Parser, ToolCall
 from ketch.rollout.multi_turn.tools import Tool
 
@@ -93,7 +94,7 @@ class ToolEnvironment:
         except FutureTimeout:
             self.stats["tool_timeouts"] += 1
             self.stats["tool_errors"] += 1
-            return f"error: tool {call.name!r} timed out after {self.timeout:g} s"
+            return f"{ERROR_PREFIX}tool {call.name!r} timed out after {self.timeout:g} s"
         except Exception as exc:  # the model sees every failure as the tool's reply
             self.stats["tool_errors"] += 1
-            return f"error: {type(exc).__name__}: {exc}"
+            return f"{ERROR_PREFIX}{type(exc).__name__}: {exc}"

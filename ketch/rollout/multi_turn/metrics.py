@@ -1,8 +1,16 @@
-"""Metrics of a batch of multi-turn trajectories, from the rollout's per-trajectory columns."""
+"""Metrics of a batch of multi-turn trajectories, from the rollout's per-trajectory columns, and the console
+warnings that make failing tools visible."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+
+logger = logging.getLogger("ketch")
+
+ERROR_PREFIX = "error: "
+"""How a failed tool call's reply starts (`ToolEnvironment`)."""
 
 
 def trajectory_metrics(non_tensor_batch: dict[str, np.ndarray], sampled_tokens: np.ndarray, prefix: str) -> dict:
@@ -24,3 +32,57 @@ def trajectory_metrics(non_tensor_batch: dict[str, np.ndarray], sampled_tokens: 
         f"{prefix}/cut_by_length": float(np.mean(c["cut_by_length"])),
         f"{prefix}/turn_length/mean": float((sampled_tokens / np.maximum(turns, 1)).mean()),
     }
+
+
+class ToolFailureWatch:
+    """Failing tools on the console, as reward errors are: one warning at the first failed call, with its error, and
+    a summary after every `window` training steps in which more than `threshold` of the calls failed. The model
+    reads each failure as the tool's reply, so a tool that always fails trains nothing useful without a word."""
+
+    def __init__(self, threshold: float = 0.5, window: int = 10):
+        self.threshold, self.window = threshold, window
+        self.warned = False
+        self.first_step, self.steps, self.calls, self.errors = 0, 0, 0.0, 0.0
+
+    def __call__(self, non_tensor_batch: dict[str, np.ndarray], step: int) -> None:
+        """Count the tool calls and failures of one training step's trajectories (no-op without multi-turn ones)."""
+        c = non_tensor_batch
+        if "tool_calls" not in c:
+            return
+        calls, errors = float(np.sum(c["tool_calls"])), float(np.sum(c["tool_errors"]))
+        if errors and not self.warned:
+            self.warned = True
+            logger.warning(
+                "a tool call failed at step %d: %s; the model reads the error as the tool's reply (multi_turn/"
+                "tool_error_rate counts the failures; a summary follows when more than %.0f%% of the calls of %d "
+                "steps fail)",
+                step,
+                first_error(c.get("messages")),
+                100 * self.threshold,
+                self.window,
+            )
+        self.first_step = self.first_step if self.steps else step
+        self.steps, self.calls, self.errors = self.steps + 1, self.calls + calls, self.errors + errors
+        if self.steps < self.window:
+            return
+        if self.errors > self.threshold * self.calls:
+            logger.warning(
+                "tools failed in %d of %d calls (%.0f%%) in steps %d-%d: check the tools (rollout.multi_turn.tools) "
+                "and the calls the model writes (samples.jsonl, multi_turn/tool_error_rate)",
+                self.errors,
+                self.calls,
+                100 * self.errors / self.calls,
+                self.first_step,
+                step,
+            )
+        self.steps, self.calls, self.errors = 0, 0.0, 0.0
+
+
+def first_error(messages: np.ndarray | None) -> str:
+    """The first failed tool call's reply in the trajectories' `messages` (`<tool>: error: ...`)."""
+    for conversation in messages if messages is not None else []:
+        for message in conversation:
+            content = str(message.get("content", ""))
+            if message.get("role") == "tool" and content.startswith(ERROR_PREFIX):
+                return f"{message.get('name')}: {content}"
+    return "the environment counted a failed call (its stats' tool_errors)"
