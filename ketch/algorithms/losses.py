@@ -45,8 +45,9 @@ def agg_loss(
     - `seq-mean-token-mean`: Σ over sequences of each sequence's token mean, / num_seqs.
     - `seq-mean-token-sum-norm` (Dr. GRPO): Σ over sequences of token sum / norm_constant (default
       `response_len`, the padded length), / num_seqs.
-    num_seqs defaults to the rows of `loss_mat`, as in verl's namesake (its `seq-mean` divisor is the local batch
-    size); the engines pass the mini-batch's count of sequences with at least one valid token.
+    num_seqs defaults to the rows with at least one valid token, as in verl's namesake (0.9.1 on) and as the engines
+    pass it for a whole mini-batch: a row whose every token is masked (a filtered or cut-off response) adds nothing
+    to the sum and is not counted in the mean.
     """
     if loss_agg_mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(AGG_MODES)}")
@@ -61,7 +62,7 @@ def agg_loss(
         per_seq = seq_sums / seq_tokens.clamp(min=1)
     else:
         per_seq = seq_sums / (loss_mat.shape[-1] if norm_constant is None else norm_constant)
-    return per_seq.sum() / _count(num_seqs, torch.tensor(mask.shape[0]), masked)
+    return per_seq.sum() / _count(num_seqs, mask.any(-1).sum(), masked)
 
 
 def policy_loss(

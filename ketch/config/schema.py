@@ -241,6 +241,10 @@ class ActorConfig:
     forward pass of the training engine: the same PPO ratio where the two agree (the hf rollout with float32
     weights; within 1e-5 on CPU), one forward pass saved. Where they differ (vLLM, bfloat16) the ratio then also
     holds that mismatch, which clipping bounds. Not with actor.rollout_is or actor.recompute_old_log_prob=true."""
+    mismatch_check: Literal["error", "warn", "off"] = "error"
+    """At the run's first step, compare the rollout's log-probs of the sampled tokens with the training forward's
+    (training mode, the update's): a gap beyond the dtype's rounding (`ketch.trainer.mismatch_guard`) stops the run
+    (`error`) naming the family, the gap, the token and which side differs, or is logged (`warn`); `off` skips it."""
     shuffle: bool = True
     """Shuffle sequences between mini-batches."""
     clip_ratio_low: float = 0.2

@@ -45,6 +45,7 @@ from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_g
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
+from ketch.trainer.mismatch_guard import check, family_name, measure
 from ketch.trainer.standalone_rollout import StandaloneRollout
 from ketch.trainer.validation import generate_and_score, generation_inputs
 
@@ -68,6 +69,7 @@ class PPOTrainer(TrainingLoop):
         self.model_path = resolve_model_path(c)  # a built-in model is warmed up here, on its first use
         model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
         check_causal_lm(model_config, c.model.path)
+        self.family, self.mismatch_checked = family_name(model_config), False
         if c.use_critic:  # a backbone without a value-head class fails here, not in the critic's worker
             key = "critic.model_path" if c.critic.model_path else "model.path"
             path = c.critic.model_path or self.model_path
@@ -91,9 +93,9 @@ class PPOTrainer(TrainingLoop):
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
         self.warned_truncation = False
         self.standalone: StandaloneRollout | None = None
+        self.tool_failures = ToolFailureWatch()
 
     def _check_lora(self, model_config) -> None:
-        self.tool_failures = ToolFailureWatch()
         """LoRA settings that cannot apply to their models stop the run here (`check_lora`), before any worker."""
         c = self.config
         if c.actor.lora.enabled:
@@ -142,6 +144,8 @@ class PPOTrainer(TrainingLoop):
             with _timed(timings, "old_log_prob"):
                 batch = batch.union(self.actor_rollout.compute_log_prob(batch))
             metrics |= self._rollout_mismatch(batch)
+        if not self.mismatch_checked:  # the first step this trainer runs (a resumed run's too)
+            self._check_mismatch(batch)
         if self.config.use_reference:
             with _timed(timings, "ref"):
                 batch = batch.union(self.actor_rollout.compute_ref_log_prob(batch))
@@ -162,11 +166,11 @@ class PPOTrainer(TrainingLoop):
         metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
         metrics |= throughput_metrics(batch, timings["step"], self._devices())
         metrics["training/epoch"] = batch.meta_info["epoch"]
+        self.tool_failures(batch.non_tensor_batch, step)
         return metrics
 
     # ----------------------------------------------------------------- stages
     def _generated(self, prompts: DataProto, step: int, timings: dict[str, float]) -> tuple[DataProto, dict]:
-        self.tool_failures(batch.non_tensor_batch, step)
         """This step's responses, scored. With `rollout.staleness=1` they were generated while the last step trained
         (or are generated now, at the first step), and the next step's generation starts before this one trains."""
         if not self.config.rollout.staleness:
@@ -266,6 +270,16 @@ class PPOTrainer(TrainingLoop):
             return {}
         real = b["attention_mask"][:, -b["response_mask"].shape[-1] :]
         return rollout_mismatch_metrics(b["old_log_prob"], b["rollout_log_probs"], b["response_mask"], real)
+
+    def _check_mismatch(self, batch: DataProto) -> None:
+        """At the first step: the rollout's log-probs against the actor's forward in training and eval mode
+        (`actor.mismatch_check`, `trainer/mismatch_guard.py`)."""
+        self.mismatch_checked, b = True, batch.batch
+        if self.config.actor.mismatch_check == "off" or "rollout_log_probs" not in b:
+            return
+        out = self.actor_rollout.compute_mismatch_log_probs(batch).batch
+        mismatch = measure(b["rollout_log_probs"], out["train_log_prob"], out["eval_log_prob"], b["response_mask"])
+        check(mismatch, self.family, self.config)
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm

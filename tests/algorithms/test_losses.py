@@ -27,23 +27,23 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
     ("mode", "expected"),
     [
         ("token-mean", 18 / 5),  # (1 + 2 + 4 + 5 + 6) / 5 valid tokens
-        ("seq-mean-token-sum", 6.0),  # (3 + 15 + 0) / 3 rows, as verl divides by the local batch size
-        ("seq-mean-token-mean", 6.5 / 3),  # (1.5 + 5 + 0) / 3
-        ("seq-mean-token-sum-norm", 2.0),  # (3/3 + 15/3 + 0) / 3, normalised by the padded length 3
+        ("seq-mean-token-sum", 9.0),  # (3 + 15) / 2 rows with a valid token: the third has none
+        ("seq-mean-token-mean", 6.5 / 2),  # (1.5 + 5) / 2
+        ("seq-mean-token-sum-norm", 3.0),  # (3/3 + 15/3) / 2, normalised by the padded length 3
     ],
 )
-def test_each_agg_mode_ignores_padding_and_divides_by_the_rows_as_verl(mode, expected):
+def test_each_agg_mode_ignores_padding_and_rows_without_a_valid_token(mode, expected):
     assert_close(agg_loss(LOSS, MASK, mode), torch.tensor(expected))
 
 
 def test_seq_modes_divide_by_the_given_count_of_sequences():
-    # the engines pass the mini-batch's sequences with a valid token: (3 + 15) / 2
-    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum", num_seqs=2), torch.tensor(9.0))
+    # a global count of sequences from the engine: (3 + 15) / 3
+    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum", num_seqs=3), torch.tensor(6.0))
 
 
 def test_seq_mean_token_sum_norm_takes_a_norm_constant():
-    # (3/2 + 15/2 + 0) / 3
-    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=2), torch.tensor(3.0))
+    # (3/2 + 15/2) / 2
+    assert_close(agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=2), torch.tensor(4.5))
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
