@@ -229,13 +229,6 @@ def _multi_turn(c: KetchConfig) -> str | None:
     m = c.rollout.multi_turn
     if m.enable and not m.tools and not m.environment:
         return "rollout.multi_turn.enable=true needs rollout.multi_turn.tools (names or .py files) or .environment"
-    return None
-
-
-def _betas(c: KetchConfig) -> str | None:
-    optimizers = {
-        "actor.optim": c.actor.optim,
-        "critic.optim": c.critic.optim,
     settings = {"tools": m.tools, "environment": m.environment}
     given = [f"rollout.multi_turn.{k}={_listed(v)}" for k, v in settings.items() if v]
     if given and not m.enable:
@@ -243,14 +236,21 @@ def _betas(c: KetchConfig) -> str | None:
             f"{given[0]} is set, but rollout.multi_turn.enable=false: the rollout is single-turn and never uses "
             "it; set rollout.multi_turn.enable=true (or drop it)"
         )
-        "reward.model.optim": c.reward.model.optim,
-    }
-    bad = [f"{key}.betas={o.betas}" for key, o in optimizers.items() if len(o.betas) != 2]
+    return None
+
+
 def _listed(value: Any) -> str:
     """A config value as it is written on the command line: `[a,b]` for a list."""
     return f"[{','.join(map(str, value))}]" if isinstance(value, list | tuple) else str(value)
 
 
+def _betas(c: KetchConfig) -> str | None:
+    optimizers = {
+        "actor.optim": c.actor.optim,
+        "critic.optim": c.critic.optim,
+        "reward.model.optim": c.reward.model.optim,
+    }
+    bad = [f"{key}.betas={o.betas}" for key, o in optimizers.items() if len(o.betas) != 2]
     return f"{', '.join(bad)}: AdamW takes two betas, e.g. [0.9, 0.999]" if bad else None
 
 
@@ -351,13 +351,6 @@ def _sequence_parallel(c: KetchConfig) -> str | None:
     return None
 
 
-def _rollout_is(c: KetchConfig) -> str | None:
-    a = c.actor
-    if a.rollout_is is not None and a.recompute_old_log_prob is False:
-        return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
-    if a.old_log_prob_from_rollout and (a.rollout_is is not None or a.recompute_old_log_prob):
-        given = "actor.rollout_is" if a.rollout_is is not None else "actor.recompute_old_log_prob=true"
-        return f"actor.old_log_prob_from_rollout=true skips the training engine's old log-probs, which {given} needs"
 def _indivisible(c: KetchConfig, key: str, size: int, gpu: bool) -> str:
     """Why `key` does not divide the worker processes of a machine with (`gpu`) or without GPUs; with
     `trainer.device=auto`, where it divides the other device's processes, the device to pin."""
@@ -375,6 +368,13 @@ def _indivisible(c: KetchConfig, key: str, size: int, gpu: bool) -> str:
     )
 
 
+def _rollout_is(c: KetchConfig) -> str | None:
+    a = c.actor
+    if a.rollout_is is not None and a.recompute_old_log_prob is False:
+        return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
+    if a.old_log_prob_from_rollout and (a.rollout_is is not None or a.recompute_old_log_prob):
+        given = "actor.rollout_is" if a.rollout_is is not None else "actor.recompute_old_log_prob=true"
+        return f"actor.old_log_prob_from_rollout=true skips the training engine's old log-probs, which {given} needs"
     return None
 
 
@@ -417,12 +417,6 @@ def _lora(c: KetchConfig) -> str | None:
     empty = [key for key, lora in sections.items() if not lora.target_modules]
     if empty:
         return f"{empty[0]}.target_modules is empty; give all-linear or names of linear layers, e.g. [q_proj, v_proj]"
-    return None
-
-
-_CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
-_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
-_CHECKS += (_sequence_parallel,)
     default = LoraConfig().target_modules
     unused = [key for key, lora in sections.items() if not lora.enabled and lora.target_modules != default]
     if unused:
@@ -432,3 +426,9 @@ _CHECKS += (_sequence_parallel,)
             f"{key}.target_modules={targets} is set, but {key}.rank=0: LoRA is off and every weight trains; set "
             f"{key}.rank (e.g. 16) to train adapters on those layers, or drop {key}.target_modules"
         )
+    return None
+
+
+_CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
+_CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
+_CHECKS += (_sequence_parallel,)
