@@ -355,6 +355,28 @@ class MultiTurnConfig:
 
 
 @dataclass(frozen=True)
+class PartialRolloutConfig:
+    """Partial rollouts (as slime, AReaL and Kimi k1.5 cut the long tail): a step's generation stops once
+    data.train_batch_size prompts have every sample finished; the other trajectories keep their tokens and rollout
+    log-probs and continue in the next step under the new weights. Their earlier tokens are off-policy, which
+    truncated importance sampling against the rollout's log-probs (actor.rollout_is) corrects."""
+
+    enable: bool = False
+    """Partial rollouts (needs actor.rollout_is; single-turn rollouts of the hf backend)."""
+    over_sample: float = 1.5
+    """Prompts in flight per step, as a multiple of data.train_batch_size (rounded up): the groups beyond the first
+    data.train_batch_size finished ones are carried to the next step, finished or not."""
+    round_tokens: int | None = None
+    """Tokens an unfinished trajectory generates per round: a step's generation stops at the end of the first round
+    after which data.train_batch_size prompts have every sample finished, so a round is the token budget of a step
+    when it finishes enough prompts. None = data.max_response_length / (max_staleness + 1), rounded up."""
+    max_staleness: int = 1
+    """Steps a trajectory may span after the one that began it: one begun more than this many steps before the
+    current one is dropped (its tokens counted in partial/tokens_dropped) and sampled again from its prompt.
+    (max_staleness + 1) x round_tokens must reach data.max_response_length, so that every trajectory can finish."""
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     name: Literal["hf", "vllm"] = "hf"
     """Generation backend."""
@@ -418,6 +440,8 @@ class RolloutConfig:
     """Sampling used for validation."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn, tool-using rollouts."""
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    """Partial rollouts: unfinished trajectories carried over to the next step."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.errors import raise_problems
 from ketch.config.parallel import megatron_problems, rollout_problems
+from ketch.config.partial import partial_rollout_problem
 from ketch.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -24,6 +25,7 @@ from ketch.config.schema import (
     MultiTurnConfig,
     OptimConfig,
     OverlongBufferConfig,
+    PartialRolloutConfig,
     RefConfig,
     RewardConfig,
     RewardModelConfig,
@@ -105,6 +107,11 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
         "max_num_batched_tokens": COUNT,
         "n_workers_per_node": COUNT,
         "staleness": ("[0, 1]", "a standalone rollout runs at most one step ahead of training"),
+    },
+    PartialRolloutConfig: {
+        "over_sample": ("[1, inf)", "a multiple of data.train_batch_size, e.g. 1.5"),
+        "round_tokens": (COUNT, "null uses data.max_response_length / (max_staleness + 1)"),
+        "max_staleness": NON_NEGATIVE,
     },
     RewardModelConfig: {"micro_batch_size_per_device": COUNT},
     RewardConfig: {"clip": (POSITIVE, "null disables clipping")},
@@ -431,4 +438,4 @@ def _lora(c: KetchConfig) -> str | None:
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
-_CHECKS += (_sequence_parallel,)
+_CHECKS += (_sequence_parallel, partial_rollout_problem)

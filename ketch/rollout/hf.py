@@ -92,7 +92,7 @@ class HFRollout(Rollout):
         limits = call_limits(prompts, self.max_response_length)
         if self.decoder is None:
             return self._decode_generate(prompts, do_sample, temperature, *limits)
-        return self._decode_static(prompts, do_sample, temperature, stop_after)
+        return self._decode_static(prompts, do_sample, temperature, min(stop_after or limits[0], limits[0]))
 
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
         prompt_ids = prompts.batch["input_ids"]
@@ -105,9 +105,10 @@ class HFRollout(Rollout):
         responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
         return responses, self._log_probs(out.logits, responses, temperature)
 
-    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, stop_after: int | None):
-        """Decodes `data.max_response_length` tokens or to a stop token, past a call's `max_new_tokens` and stop
-        strings (the caller cuts there): one length keeps the compiled shapes few."""
+    def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, stop_after: int):
+        """Decodes `stop_after` tokens (a call's `max_new_tokens`) or to a stop token, in the shape of
+        `data.max_response_length` tokens (one length keeps the compiled shapes few), past a call's stop strings
+        (the caller cuts there)."""
         r = self.config
         sampling = Sampling(do_sample, temperature, r.top_p, r.top_k)
         stops = None if r.ignore_eos else self.stop_token_ids

@@ -71,18 +71,20 @@ def fill_with_informative_groups(
     metrics["dynamic_sampling/gen_rounds"] = float(len(round_metrics))
     metrics["dynamic_sampling/groups_generated"] = float(generated)
     metrics["dynamic_sampling/groups_informative"] = float(informative)
-    return DataProto.concat(_same_prompt_width(kept, pad_token_id))[: num_groups * n], metrics
+    return DataProto.concat(same_prompt_width(kept, pad_token_id))[: num_groups * n], metrics
 
 
 PROMPT_SIDE = {"prompts": None, "input_ids": None, "attention_mask": 0, "position_ids": 0}
 """Tensors that start with the left-padded prompt, and their padding value (None: the pad token)."""
 
 
-def _same_prompt_width(parts: list[DataProto], pad_token_id: int) -> list[DataProto]:
-    """Each round padded on the left to the widest round's prompts: a round pads its prompts to its own longest."""
-    width = max(part.batch["prompts"].shape[1] for part in parts)
+def same_prompt_width(parts: list[DataProto], pad_token_id: int) -> list[DataProto]:
+    """Each round padded on the left to the widest round's prompts: a round pads its prompts to its own longest.
+    The prompts are `prompts` after generation, `input_ids` before it (partial rollouts' buffer)."""
+    prompt = "prompts" if "prompts" in parts[0].batch else "input_ids"
+    width = max(part.batch[prompt].shape[1] for part in parts)
     for part in parts:
-        extra = width - part.batch["prompts"].shape[1]
+        extra = width - part.batch[prompt].shape[1]
         for key, value in PROMPT_SIDE.items():
             if extra and key in part.batch:
                 padding = pad_token_id if value is None else value

@@ -149,7 +149,7 @@ class TrainingLoop:
         self.loader_state = self.loader.state_dict()
         if self.kl_ctrl is not None:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self._load_extra_state(state)
+        self._load_extra_state(state, checkpoint)
         self.tracker.truncate_after(self.step)
         self.tracker.event("resume", step=self.step, checkpoint=str(checkpoint))
         info(f"resumed from {checkpoint} at step {self.step}")
@@ -173,7 +173,7 @@ class TrainingLoop:
                 "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                 "val_history": self.val_history,
                 "world_size": self.plan.world_size,
-                **self._extra_state(),
+                **self._extra_state(staging),
             }
             path = self.checkpoints.commit(staging, self.step, state, to_dict(self.config))
         except BaseException as err:
@@ -342,9 +342,10 @@ class TrainingLoop:
     def _validate(self, step: int) -> dict[str, float]:
         raise NotImplementedError
 
-    def _extra_state(self) -> dict[str, Any]:
-        """More driver-side state to save in `trainer_state.json` (e.g. running reward statistics)."""
+    def _extra_state(self, directory: Path) -> dict[str, Any]:
+        """More driver-side state to save in `trainer_state.json` (e.g. running reward statistics); what is too large
+        for it goes into files of `directory`, the checkpoint being written."""
         return {}
 
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        """Restore what `_extra_state` saved, from the whole trainer state."""
+    def _load_extra_state(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """Restore what `_extra_state` saved, from the whole trainer state and the `checkpoint` directory."""

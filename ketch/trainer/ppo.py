@@ -46,6 +46,7 @@ from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
 from ketch.trainer.mismatch_guard import check, family_name, measure
+from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts
 from ketch.trainer.standalone_rollout import StandaloneRollout
 from ketch.trainer.validation import generate_and_score, generation_inputs
 
@@ -92,8 +93,10 @@ class PPOTrainer(TrainingLoop):
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
         self.kl_ctrl = build_kl_controller(**vars(c.algorithm.kl_ctrl)) if c.algorithm.use_kl_in_reward else None
         self.warned_truncation = False
-        self.standalone: StandaloneRollout | None = None
         self.tool_failures = ToolFailureWatch()
+        self.standalone: StandaloneRollout | None = None
+        partial = c.rollout.partial.enable
+        self.partial = PartialRollouts(c, pad_token_id(self.tokenizer)) if partial else None
 
     def _check_lora(self, model_config) -> None:
         """LoRA settings that cannot apply to their models stop the run here (`check_lora`), before any worker."""
@@ -187,8 +190,11 @@ class PPOTrainer(TrainingLoop):
         return *self._rollout(prompts, step, timings), timings
 
     def _rollout(self, prompts: DataProto, step: int, timings: dict[str, float]) -> tuple[DataProto, dict[str, float]]:
-        """Generate and score; with `algorithm.filter_groups`, rounds of prompts until the batch is informative."""
+        """Generate and score; with `algorithm.filter_groups`, rounds of prompts until the batch is informative;
+        with `rollout.partial`, the groups that finish first, trajectories carried over between steps."""
         c = self.config
+        if self.partial is not None:
+            return self._partial_rollout(prompts, step, timings)
 
         def generate_and_score(prompts: DataProto) -> tuple[DataProto, dict[str, float]]:
             batch = self._expand(prompts)
@@ -208,6 +214,23 @@ class PPOTrainer(TrainingLoop):
             c.rollout.n,
             pad_token_id(self.tokenizer),
         )
+
+    def _partial_rollout(
+        self, prompts: DataProto, step: int, timings: dict[str, float]
+    ) -> tuple[DataProto, dict[str, float]]:
+        """`data.train_batch_size` finished groups of the trajectories in flight, `prompts`' among them
+        (`PartialRollouts`), scored."""
+
+        def generate(rows: DataProto) -> DataProto:
+            with _timed(timings, "gen"):
+                return self.generator.generate_sequences(rows)
+
+        more = lambda: self._expand(self.loader.next_batch())  # noqa: E731
+        batch, metrics = self.partial.next_batch(self._expand(prompts), step, generate, more)
+        self._warn_if_all_truncated(batch, step)
+        with _timed(timings, "reward"):
+            batch, reward_metrics = self._score(batch)
+        return batch, metrics | reward_metrics
 
     def _expand(self, batch: DataProto) -> DataProto:
         """Give each prompt a group id (`uid`) and repeat it `rollout.n` times, samples of a prompt adjacent."""
@@ -329,14 +352,27 @@ class PPOTrainer(TrainingLoop):
     def _resume(self, checkpoint: Path | None) -> None:
         """Restore the run from `checkpoint` (see `TrainingLoop`); a standalone rollout then gets the weights."""
         super()._resume(checkpoint)
+        if checkpoint is None and self.partial is not None:
+            self.partial.load(None)
         if checkpoint is not None and self.standalone is not None:
             self.standalone.send_weights()
 
-    def _extra_state(self) -> dict:
+    def _extra_state(self, directory: Path) -> dict:
+        if self.partial is not None:
+            self.partial.save(directory / PARTIAL_FILE, self.step)
         return {"reward_mixer": self.mixer.state_dict()}
 
-    def _load_extra_state(self, state: dict) -> None:
+    def _load_extra_state(self, state: dict, checkpoint: Path) -> None:
         self.mixer.load_state_dict(state.get("reward_mixer") or {})
+        if self.partial is not None:
+            self.partial.load(checkpoint / PARTIAL_FILE)
+        elif (checkpoint / PARTIAL_FILE).is_file():
+            logger.warning(
+                "%s holds the trajectories of partial rollouts in flight, which this run (rollout.partial.enable="
+                "false) does not continue: their prompts are skipped; set rollout.partial.enable=true to continue "
+                "them",
+                checkpoint,
+            )
 
     # ----------------------------------------------------------------- helpers
     def _devices(self) -> int:

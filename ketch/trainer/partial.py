@@ -1,0 +1,248 @@
+"""Partial rollouts as one stage of a PPO step (`rollout.partial`): trajectories that outlive a step.
+
+The buffer holds groups of `rollout.n` samples of one prompt each, oldest first: prompts not begun yet, trajectories
+under way (their tokens and rollout log-probs so far) and finished ones. A step tops it up with fresh prompts to
+`in_flight_prompts` groups in flight, drops the trajectories begun more than `max_staleness` steps ago (they begin
+again from their prompt), then generates in rounds: every unfinished trajectory in flight continues for
+`round_tokens` tokens, its prompt and response so far as the backend's prompt, until `data.train_batch_size`
+groups have every sample finished. Those groups, oldest first, are the step's batch; the rest stays for the next
+step, whose weights are newer. A group is used only when all its samples are finished, so group estimators (GRPO)
+see whole groups. The tokens a trajectory sampled in earlier steps keep the log-probs of the weights that sampled
+them (`rollout_log_probs`), which truncated importance sampling (`actor.rollout_is`) corrects against.
+
+Every prompt the loader gives enters the buffer once and leaves it once, trained; the buffer is saved with the
+checkpoint (`PARTIAL_FILE`), so a resumed run continues the same trajectories.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ketch.config.partial import in_flight_prompts, round_tokens
+from ketch.config.schema import KetchConfig
+from ketch.protocol import DataProto
+from ketch.rollout.base import assemble_sequences
+from ketch.trainer.dynamic_sampling import same_prompt_width
+
+logger = logging.getLogger("ketch")
+
+PARTIAL_FILE = "partial_rollouts.pt"
+"""The buffer in a checkpoint directory (`DataProto.save_to_disk`)."""
+
+PROMPT_KEYS = ("input_ids", "attention_mask")
+"""The left-padded prompt of each row of the buffer."""
+
+Generate = Callable[[DataProto], DataProto]
+
+
+class PartialRollouts:
+    """The trajectories in flight between steps (see the module docstring). Rows are samples, the `rollout.n`
+    samples of a prompt adjacent; besides the prompt (`input_ids`, `attention_mask` `[rows, prompt_len]`) and its
+    non-tensor columns (`uid` among them) a row holds `responses` and `rollout_log_probs` `[rows,
+    max_response_length]` (pad token and 0 after the tokens so far), `response_length`, `finished` and `first_step`
+    (the step of its first token; 0 before it begins) `[rows]`. The rows are never changed in place: every stage
+    makes new tensors, so the buffer of the last completed step stays whole while a step runs."""
+
+    def __init__(self, config: KetchConfig, pad_token_id: int):
+        self.n, self.batch_size = config.rollout.n, config.data.train_batch_size
+        self.in_flight, self.round_tokens = in_flight_prompts(config), round_tokens(config)
+        self.max_staleness = config.rollout.partial.max_staleness
+        self.max_length, self.pad_token_id = config.data.max_response_length, pad_token_id
+        self.rows: DataProto | None = None
+        self.before: tuple[int, DataProto | None] = (0, None)
+
+    def next_batch(
+        self, prompts: DataProto, step: int, generate: Generate, more_prompts: Callable[[], DataProto]
+    ) -> tuple[DataProto, dict[str, float]]:
+        """This step's batch of `data.train_batch_size` finished groups, as `Rollout.generate` gives a batch (with
+        the prompts' columns), and metrics. `prompts`: the step's prompts, expanded (`uid`, `rollout.n` rows
+        each); `more_prompts()` gives more when the buffer holds too few to fill the prompts in flight;
+        `generate(prompts)` samples responses."""
+        self.before = (step - 1, self.rows)
+        rows = self._add(self.rows, prompts)
+        while len(rows) < self.in_flight * self.n:
+            rows = self._add(rows, more_prompts())
+        rows, dropped = self._drop_stale(rows, step)
+        rows, rounds = self._generate(rows, step, generate)
+        batch, self.rows = self._take(rows)
+        metrics = dropped | self._metrics(batch, step) | {"partial/rounds": float(rounds)}
+        out = self._as_rollout(batch)
+        out.meta_info["epoch"] = prompts.meta_info["epoch"]
+        return out, metrics
+
+    # ----------------------------------------------------------------- stages
+    def _add(self, rows: DataProto | None, prompts: DataProto) -> DataProto:
+        """`rows` with the expanded `prompts` appended as samples not begun yet."""
+        count, width = len(prompts), self.max_length
+        fresh = prompts.select(batch_keys=PROMPT_KEYS, meta_keys=[])
+        fresh.batch |= {
+            "responses": torch.full((count, width), self.pad_token_id, dtype=prompts.batch["input_ids"].dtype),
+            "rollout_log_probs": torch.zeros(count, width),
+            "response_length": torch.zeros(count, dtype=torch.long),
+            "finished": torch.zeros(count, dtype=torch.bool),
+            "first_step": torch.zeros(count, dtype=torch.long),
+        }
+        if rows is None or len(rows) == 0:
+            return fresh
+        return DataProto.concat(same_prompt_width([rows.select(), fresh], self.pad_token_id))
+
+    def _drop_stale(self, rows: DataProto, step: int) -> tuple[DataProto, dict[str, float]]:
+        """Trajectories begun more than `max_staleness` steps before `step` begin again: their tokens are dropped."""
+        b = rows.batch
+        stale = (b["first_step"] > 0) & (step - b["first_step"] > self.max_staleness)
+        metrics = {
+            "partial/trajectories_dropped": float(stale.sum()),
+            "partial/tokens_dropped": float(b["response_length"][stale].sum()),
+        }
+        if not stale.any():
+            return rows, metrics
+        keep = ~stale.unsqueeze(-1)
+        rows = rows.select()
+        rows.batch |= {
+            "responses": torch.where(keep, b["responses"], self.pad_token_id),
+            "rollout_log_probs": torch.where(keep, b["rollout_log_probs"], 0.0),
+            "response_length": torch.where(stale, 0, b["response_length"]),
+            "finished": b["finished"] & ~stale,
+            "first_step": torch.where(stale, 0, b["first_step"]),
+        }
+        return rows, metrics
+
+    def _generate(self, rows: DataProto, step: int, generate: Generate) -> tuple[DataProto, int]:
+        """Rounds of `round_tokens` tokens for the unfinished samples of the groups in flight, until
+        `data.train_batch_size` groups are finished; returns the rows and the number of rounds."""
+        rounds = 0
+        in_flight = torch.arange(len(rows)) < self.in_flight * self.n
+        while self._finished_groups(rows).sum() < self.batch_size:
+            index = (in_flight & ~rows.batch["finished"]).nonzero().squeeze(-1)
+            rows = _replace_rows(rows, index, self._continue(rows[index], step, generate))
+            rounds += 1
+        return rows, rounds
+
+    def _continue(self, part: DataProto, step: int, generate: Generate) -> DataProto:
+        """`part`'s trajectories, each continued for up to `round_tokens` tokens (fewer where it stops or reaches
+        `data.max_response_length`): the backend's prompt is a row's prompt and response so far (`continuation`)."""
+        b = part.batch
+        allowed = (self.max_length - b["response_length"]).clamp(max=self.round_tokens)
+        inputs = continuation(
+            b["input_ids"], b["attention_mask"], b["responses"], b["response_length"], self.pad_token_id
+        )
+        inputs.meta_info["max_new_tokens"] = int(allowed.max())
+        out = generate(inputs).batch
+        # a backend's response_mask covers its tokens up to and including a stop token: at most `allowed` of them
+        # is a stop; more (decoding past the budget, or padding read as a stop) is a cut
+        produced = out["response_mask"].sum(-1)
+        taken = torch.minimum(produced, allowed)
+        length = b["response_length"] + taken
+        part = part.select()
+        part.batch |= {
+            "responses": _append(b["responses"], out["responses"], b["response_length"], taken),
+            "rollout_log_probs": _append(b["rollout_log_probs"], out["rollout_log_probs"], b["response_length"], taken),
+            "response_length": length,
+            "finished": (produced <= allowed) | (length >= self.max_length),
+            "first_step": torch.where(b["first_step"] > 0, b["first_step"], step),
+        }
+        return part
+
+    def _take(self, rows: DataProto) -> tuple[DataProto, DataProto]:
+        """The first `data.train_batch_size` finished groups, and the rows that stay."""
+        chosen = self._finished_groups(rows).nonzero().squeeze(-1)[: self.batch_size]
+        taken = torch.zeros(len(rows) // self.n, dtype=torch.bool)
+        taken[chosen] = True
+        taken = taken.repeat_interleave(self.n)
+        return rows[taken], rows[~taken]
+
+    def _finished_groups(self, rows: DataProto) -> torch.Tensor:
+        """`[groups]` bool: every sample of the group is finished."""
+        return rows.batch["finished"].view(-1, self.n).all(-1)
+
+    def _metrics(self, batch: DataProto, step: int) -> dict[str, float]:
+        """Staleness of the trained trajectories (steps since their first token) and what is carried over."""
+        staleness = (step - batch.batch["first_step"]).float()
+        left = self.rows.batch
+        carried = left["first_step"] > 0
+        return {
+            "partial/staleness/mean": staleness.mean().item(),
+            "partial/staleness/max": staleness.max().item(),
+            "partial/carried": float(carried.sum()),
+            "partial/carried_unfinished": float((carried & ~left["finished"]).sum()),
+            "partial/carried_fraction": float(carried.sum()) / (float(carried.sum()) + len(batch)),
+        }
+
+    def _as_rollout(self, batch: DataProto) -> DataProto:
+        """The finished groups as `Rollout.generate` returns a batch, with the prompts' non-tensor columns."""
+        b = batch.batch
+        prompts = _left_padded(DataProto.from_dict({k: b[k] for k in PROMPT_KEYS}), self.pad_token_id)
+        response_mask = (torch.arange(self.max_length) < b["response_length"].unsqueeze(-1)).long()
+        out = assemble_sequences(prompts, b["responses"], response_mask)
+        out.batch["rollout_log_probs"] = b["rollout_log_probs"]
+        return out.union(batch.select(batch_keys=[], meta_keys=[]))
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self, path: Path, step: int) -> None:
+        """Write the buffer as it was after `step` (the last completed step: a step that failed may have changed it)."""
+        rows = self.before[1] if self.before[0] == step else self.rows
+        if rows is not None:
+            rows.save_to_disk(path)
+
+    def load(self, path: Path | None) -> None:
+        """The buffer of a checkpoint (`path`), or an empty one where there is none (a fresh start, or a checkpoint
+        of a run without partial rollouts)."""
+        self.rows = DataProto.load_from_disk(path) if path is not None and path.is_file() else None
+        self.before = (0, None)
+        if self.rows is not None and self.rows.batch["responses"].shape[-1] != self.max_length:
+            raise ValueError(
+                f"{path} holds responses of up to {self.rows.batch['responses'].shape[-1]} tokens, but "
+                f"data.max_response_length={self.max_length}: resume with the checkpoint's data.max_response_length"
+            )
+
+
+def continuation(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_length: torch.Tensor,
+    pad_token_id: int,
+) -> DataProto:
+    """What a backend continues a trajectory from: the left-padded prompt `[rows, prompt_len]` followed by the first
+    `response_length` `[rows]` tokens of `responses` `[rows, response_len]`, as one left-padded prompt
+    (`input_ids`, `attention_mask`, `position_ids` `[rows, width]`, width the longest row's tokens)."""
+    tokens = torch.cat([prompt_ids, responses], dim=-1)
+    so_far = (torch.arange(responses.shape[-1]) < response_length.unsqueeze(-1)).to(prompt_mask.dtype)
+    mask = torch.cat([prompt_mask, so_far], dim=-1)
+    order = torch.sort(mask, dim=-1, stable=True).indices  # padding first, the real tokens after it in their order
+    joined = DataProto.from_dict({"input_ids": tokens.gather(-1, order), "attention_mask": mask.gather(-1, order)})
+    return _left_padded(joined, pad_token_id)
+
+
+def _left_padded(prompts: DataProto, pad_token_id: int) -> DataProto:
+    """Left-padded prompts without the columns that are padding in every row; padding tokens set to `pad_token_id`;
+    `position_ids` from the attention mask."""
+    mask = prompts.batch["attention_mask"]
+    width = max(int(mask.sum(-1).max()), 1)
+    mask = mask[:, -width:]
+    return DataProto.from_dict(
+        {
+            "input_ids": prompts.batch["input_ids"][:, -width:].masked_fill(mask == 0, pad_token_id),
+            "attention_mask": mask,
+            "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0),
+        }
+    )
+
+
+def _append(so_far: torch.Tensor, new: torch.Tensor, length: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+    """`so_far` `[rows, response_len]` with the first `taken` `[rows]` entries of `new` `[rows, response_len]`
+    written after each row's first `length` `[rows]` entries."""
+    position = torch.arange(so_far.shape[-1]) - length.unsqueeze(-1)  # where in `new` each entry comes from
+    placed = (position >= 0) & (position < taken.unsqueeze(-1))
+    return torch.where(placed, new.gather(-1, position.clamp(0, new.shape[-1] - 1)).to(so_far.dtype), so_far)
+
+
+def _replace_rows(rows: DataProto, index: torch.Tensor, part: DataProto) -> DataProto:
+    """A copy of `rows` whose rows `index` are `part`'s (same keys and widths)."""
+    out = rows.select()
+    out.batch = {k: v.index_copy(0, index, part.batch[k]) for k, v in rows.batch.items()}
+    return out

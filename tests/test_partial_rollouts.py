@@ -1,0 +1,184 @@
+"""Partial rollouts (`rollout.partial`): trajectories carried between steps, their staleness bound, every prompt
+trained once, and a resume that continues the same trajectories."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from test_checkpoint import break_after
+
+from ketch.config import ConfigError, load_config
+from ketch.config.partial import describe_partial_rollouts
+from ketch.tracking import read_metrics
+from ketch.trainer.loop import RunFailedError
+from ketch.trainer.partial import PARTIAL_FILE, continuation
+from ketch.trainer.ppo import PPOTrainer
+
+PARTIAL = (
+    "algorithm.adv_estimator=grpo",
+    "rollout.n=2",
+    "data.train_batch_size=4",
+    "actor.rollout_is=token",
+    "rollout.partial.enable=true",
+)
+STOPS = "rollout.stop_token_ids=[" + ",".join(map(str, range(21, 41))) + "]"
+"""A fifth of the character vocabulary (digits and letters) ends a response, so the tiny random model's responses
+stop anywhere from their first token to the limit: some trajectories are unfinished when a step's batch is full."""
+
+
+class TrainedRows:
+    """Records the `uid` and data-set `index` of every row a trainer scores (its trained batches), per step."""
+
+    def __init__(self, trainer: PPOTrainer):
+        self.uids: list[list[str]] = []
+        self.indices: list[list[int]] = []
+        self.index_of: dict[str, int] = {}
+        score = trainer._score
+
+        def record(batch):
+            self.uids.append(list(batch.non_tensor_batch["uid"][:: trainer.config.rollout.n]))
+            self.indices.append([int(i) for i in batch.non_tensor_batch["index"][:: trainer.config.rollout.n]])
+            self.index_of |= dict(zip(self.uids[-1], self.indices[-1], strict=True))
+            return score(batch)
+
+        trainer._score = record
+
+
+def test_continuation_is_the_prompt_then_the_response_so_far_left_padded():
+    prompt_ids = torch.tensor([[0, 0, 7, 8], [0, 5, 6, 9]])
+    prompt_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    responses = torch.tensor([[11, 12, 13, 0], [14, 0, 0, 0]])
+    out = continuation(prompt_ids, prompt_mask, responses, torch.tensor([3, 0]), pad_token_id=0).batch
+    assert out["input_ids"].tolist() == [[7, 8, 11, 12, 13], [0, 0, 5, 6, 9]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]
+
+
+def test_partial_rollouts_carry_trajectories_and_a_resume_after_step_3_gives_the_same_metrics(tiny_config, monkeypatch):
+    config = tiny_config(
+        *PARTIAL,
+        STOPS,
+        "rollout.partial.round_tokens=2",
+        "rollout.partial.max_staleness=3",
+        "trainer.total_steps=5",
+        "trainer.save_freq=3",
+    )
+    unbroken = PPOTrainer(config)
+    unbroken_rows = TrainedRows(unbroken)
+    unbroken.fit()
+    expected = read_metrics(unbroken.run_dir / "metrics.jsonl")
+    assert sum(r["partial/carried_unfinished"] for r in expected) > 0  # the buffer did carry unfinished ones
+    assert max(r["partial/staleness/max"] for r in expected) >= 1
+    shutil.rmtree(unbroken.run_dir)
+
+    with monkeypatch.context() as patch:
+        break_after(patch, steps=3)
+        first = PPOTrainer(config)
+        first_rows = TrainedRows(first)
+        with pytest.raises(RunFailedError):
+            first.fit()
+    assert (first.run_dir / "checkpoints/global_step_3" / PARTIAL_FILE).is_file()
+    resumed = PPOTrainer(config)
+    resumed_rows = TrainedRows(resumed)
+    resumed.fit()
+    got = read_metrics(resumed.run_dir / "metrics.jsonl")
+
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert first_rows.indices[:3] + resumed_rows.indices == unbroken_rows.indices
+    compared = [k for k in expected[-1] if k.startswith(("partial/", "actor/", "critic/", "response_length/"))]
+    assert "partial/carried" in compared and "actor/pg_loss" in compared
+    for want, have in zip(expected[3:], got[3:], strict=True):
+        for key in compared:  # CPU, float32, same seed: equal up to float rounding
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
+
+
+def test_every_prompt_of_an_epoch_is_trained_once(tiny_config):
+    # 16 prompts, 4 a step, 6 in flight: the loader's first epoch is drawn by step 3, and with rounds of 2 of the
+    # 8 tokens a trajectory finishes within 4 steps of its first token
+    config = tiny_config(
+        *PARTIAL,
+        STOPS,
+        "data.max_samples=16",
+        "rollout.partial.round_tokens=2",
+        "rollout.partial.max_staleness=3",
+        "trainer.total_steps=8",
+    )
+    trainer = PPOTrainer(config)
+    drawn: list[tuple[int, list[str]]] = []  # (epoch, uids) of each loader batch, as it enters the buffer
+    add = trainer.partial._add
+
+    def record(rows, prompts):
+        drawn.append((prompts.meta_info["epoch"], list(prompts.non_tensor_batch["uid"][:: config.rollout.n])))
+        return add(rows, prompts)
+
+    trainer.partial._add = record
+    trained = TrainedRows(trainer)
+    trainer.fit()
+    trained_uids = [uid for step in trained.uids for uid in step]
+    first_epoch = [uid for epoch, uids in drawn if epoch == 0 for uid in uids]
+    assert len(trained_uids) == 8 * 4 and len(set(trained_uids)) == len(trained_uids)  # none trained twice
+    assert len(first_epoch) == 16 and set(first_epoch) <= set(trained_uids)  # every one of the epoch trained
+    assert len({trained.index_of[uid] for uid in first_epoch}) == 16  # 16 prompts, not one of them twice
+
+
+@pytest.mark.parametrize(
+    ("max_staleness", "dropped", "staleness_mean"),
+    [(0, [0, 4, 4], [0.0, 0.0, 0.0]), (1, [0, 0, 0], [0.0, 0.5, 0.5])],
+)
+def test_the_staleness_bound_drops_the_trajectories_begun_too_long_ago(
+    tiny_config, max_staleness, dropped, staleness_mean
+):
+    # every response runs to the 8-token limit in one round, so each step finishes all 6 groups in flight and trains
+    # the 4 oldest; the 2 others wait, finished, for the next step, one step stale. With max_staleness=0 their 4
+    # trajectories (32 tokens) are dropped and sampled again; with 1 they are trained.
+    config = tiny_config(
+        *PARTIAL,
+        "rollout.ignore_eos=true",
+        "rollout.partial.round_tokens=8",
+        f"rollout.partial.max_staleness={max_staleness}",
+        "trainer.total_steps=3",
+    )
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert [r["partial/trajectories_dropped"] for r in records] == dropped
+    assert [r["partial/tokens_dropped"] for r in records] == [8.0 * d for d in dropped]
+    assert [r["partial/staleness/mean"] for r in records] == staleness_mean
+    assert [r["partial/carried"] for r in records] == [4.0, 4.0, 4.0]
+    assert [r["partial/carried_unfinished"] for r in records] == [0.0, 0.0, 0.0]
+    assert [r["partial/rounds"] for r in records] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["actor.rollout_is=null"], "set actor.rollout_is=token"),
+        (["rollout.name=vllm"], "does not support rollout.name=vllm"),
+        (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculate]"], "rollout.multi_turn.enable"),
+        (["algorithm.adv_estimator=remax"], "does not support algorithm.adv_estimator=remax"),
+        (["rollout.partial.round_tokens=2", "rollout.partial.max_staleness=1"], "2 x 2 tokens"),
+        (["rollout.partial.over_sample=0.5"], "rollout.partial.over_sample"),
+    ],
+)
+def test_partial_rollouts_refuse_what_they_cannot_continue_at_load(tiny_config, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config(*PARTIAL, *overrides)
+
+
+def test_the_doctor_line_says_what_partial_rollouts_bound():
+    assert describe_partial_rollouts(load_config(overrides=[])).startswith("off: ")
+    on = load_config(
+        overrides=[
+            *PARTIAL,
+            "actor.old_log_prob_from_rollout=false",
+            "actor.ppo_mini_batch_size=4",
+            "data.max_response_length=1000",
+        ]
+    )
+    assert describe_partial_rollouts(on) == (
+        "on: 6 prompts in flight for 4 a step (over_sample 1.5), rounds of 500 tokens a trajectory, a trajectory "
+        "spans at most 2 steps (max_staleness 1); its older tokens weighted by truncated importance sampling "
+        "(actor.rollout_is=token, at most 2)"
+    )
