@@ -41,7 +41,21 @@ def _short_write_reason() -> str:
     return "No space left on device"
 
 
+def size_text(size: int) -> str:
+    """`N bytes (X.Y MiB)` for a message, in the unit that suits the size (`N bytes` alone under 1 KiB)."""
+    value, unit = float(size), ""
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{size} bytes" + (f" ({value:.1f} {unit})" if unit else "")
+
+
 def free_space(path: Path) -> str:
-    """`N bytes (G GiB) are free on <path>`, for a message."""
-    free = shutil.disk_usage(path).free
-    return f"{free} bytes ({free / 2**30:.2f} GiB) are free on {path}"
+    """`N bytes (X.Y MiB) are free on <path>`, for a message."""
+    return f"{size_text(shutil.disk_usage(path).free)} are free on {path}"
+
+
+def directory_size(path: Path) -> int:
+    """Bytes of the files under `path`."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -160,7 +160,7 @@ def data_row(config: KetchConfig, key: str, tokenizer) -> tuple[Check, RLHFDatas
         return Check(name, "FAIL", problem[0], problem[1]), dataset
     sources = sorted(set(map(str, dataset.rows.columns.get("data_source") or ["unknown"])))
     return Check(
-        name, "ok", f"{len(dataset)} prompts in {len(files)} file(s); data_source: {', '.join(sources)}"
+        name, "ok", f"{len(dataset)} prompts in {len(dataset.rows.files)} file(s); data_source: {', '.join(sources)}"
     ), dataset
 
 

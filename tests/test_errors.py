@@ -24,6 +24,7 @@ from ketch.config import ConfigError, DataConfig, KetchConfig, load_config, to_y
 from ketch.config.validate import RANGES
 from ketch.controller.errors import WorkerError
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer
+from ketch.disk import size_text
 from ketch.models import save_tiny_model
 from ketch.rewards import RewardError
 from ketch.tracking import read_metrics
@@ -107,18 +108,19 @@ def test_a_failed_model_export_leaves_no_model_dir_says_what_it_needs_and_writes
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     message = result.stderr.split("ketch train: error: ", 1)[1]
-    free = re.search(r"and (\d+) bytes \(\d+\.\d\d GiB\) are free", message).group(1)
+    free = re.search(r"and (\d+) bytes \(\d+\.\d [KMGT]iB\) are free", message).group(1)
     assert message == (
         f"could not write the model to {run_dir / 'model'} (SafetensorError: Error while serializing: I/O error: "
-        f"File too large (os error 27)); its weights need about 348416 bytes (0.00 GiB) and {free} bytes "
-        f"({int(free) / 2**30:.2f} GiB) are free on {run_dir}. the checkpoint {checkpoint} holds the trained model: "
+        f"File too large (os error 27)); its weights need about 348416 bytes (340.2 KiB) and {size_text(int(free))} "
+        f"are free on {run_dir}. the checkpoint {checkpoint} holds the trained model: "
         "free space (or set trainer.default_local_dir to a larger disk), then run the same command again: it resumes "
         "from global_step_1 and writes the model\n"
     )
     assert sorted(p.name for p in run_dir.iterdir() if "model" in p.name) == []  # no model/, no .tmp-model-*
     summary = (run_dir / "summary.txt").read_text()
     assert "status: failed after step 1 of 1: 1 failure(s), 0 recovered" in summary
-    assert "failure at step 1: driver: ExportError: could not write the model to" in summary
+    assert "failure at the export of the model after step 1: driver: ExportError: could not write the model" in summary
+    assert "[ERROR] the export of the model after step 1 failed (driver): ExportError" in result.stderr
     assert "ExportError" in (run_dir / "report.html").read_text()
     again = run_cli("train", "--config-path", str(tmp_path / "run.yaml"))  # space freed: the same command
     assert again.returncode == 0, again.stderr
@@ -136,7 +138,7 @@ def test_a_short_write_of_torch_says_no_space_left_and_without_a_checkpoint_that
     free = re.search(r"; (\d+) bytes", message).group(1)
     assert message == (
         f"could not write the checkpoint of step 2 to {root / 'global_step_2'} (No space left on device; torch's "
-        f"file writer stopped short: unexpected pos 704 vs 598); {free} bytes ({int(free) / 2**30:.2f} GiB) are "
+        f"file writer stopped short: unexpected pos 704 vs 598); {size_text(int(free))} are "
         f"free on {root}. there is no earlier checkpoint. Free space (or set trainer.default_local_dir to a larger "
         "disk, or trainer.max_checkpoints_to_keep), then run the same command again: it starts again from step 1"
     )

@@ -26,7 +26,7 @@ from transformers import (
     GenerationConfig,
 )
 
-from ketch.disk import free_space, write_error_cause
+from ketch.disk import free_space, size_text, write_error_cause
 from ketch.engine.engine import TrainEngine
 
 WRAPPER_PREFIXES = ("lm.", "critic.", "reward_model.")
@@ -76,8 +76,8 @@ def write_hf_directory(
         if (cause := write_error_cause(err)) is None:
             raise
         raise ExportError(
-            f"could not write the model to {out} ({cause}); its weights need about {needed} bytes "
-            f"({needed / 2**30:.2f} GiB) and {free_space(out.parent)}"
+            f"could not write the model to {out} ({cause}); its weights need about {size_text(needed)} and "
+            f"{free_space(out.parent)}"
         ) from err
     _move_into_place(staging, out)
     return out

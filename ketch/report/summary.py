@@ -50,10 +50,13 @@ def status(run: RunRecord) -> str:
 
 
 def failure_place(failure: dict[str, Any]) -> tuple[str, str]:
-    """When and where a `failure` event happened, in words: (`step 3`, or `step 0 (the validation before
-    training)`; `actor_rollout rank 1`, or `driver` for the driver's own failures, which have no rank)."""
+    """When and where a `failure` event happened, in words: (`step 3`, `step 0 (the validation before
+    training)`, or `the export of the model after step 3`; `actor_rollout rank 1`, or `driver` for the driver's own
+    failures, which have no rank)."""
     step, role, rank = failure.get("step"), failure.get("role"), failure.get("rank")
     when = "step 0 (the validation before training)" if step == 0 else f"step {step}"
+    if failure.get("stage") == "export":
+        when = f"the export of the model after step {step}"
     return when, role if rank is None else f"{role} rank {rank}"
 
 

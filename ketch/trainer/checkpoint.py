@@ -25,7 +25,7 @@ from typing import Any
 
 import fsspec
 
-from ketch.disk import free_space, write_error_cause
+from ketch.disk import directory_size, free_space, size_text, write_error_cause
 
 logger = logging.getLogger("ketch")
 
@@ -79,7 +79,8 @@ class CheckpointManager:
         if latest is None:
             kept, again = "there is no earlier checkpoint", "it starts again from step 1"
         else:
-            kept, again = f"{latest} stays the latest checkpoint", f"it resumes from {latest.name}"
+            kept = f"{latest} stays the latest checkpoint (it takes {size_text(directory_size(latest))})"
+            again = f"it resumes from {latest.name}"
         return CheckpointError(
             f"could not write the checkpoint of step {step} to {self.root / f'global_step_{step}'} "
             f"({write_error_cause(err)}); {free_space(self.root)}. {kept}. Free space (or set "

@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import AutoConfig
 
 from ketch.engine.checkpoint import HF_DIR
-from ketch.engine.export import load_checkpoint_state, write_hf_directory
+from ketch.engine.export import ExportError, load_checkpoint_state, write_hf_directory
 from ketch.engine.lora import ADAPTER_CONFIG, merged_state
 from ketch.models import load_causal_lm, load_critic, load_reward_model, load_tokenizer
 from ketch.trainer.checkpoint import read_trainer_state
@@ -24,8 +24,18 @@ BASE_LOADERS = {"actor": load_causal_lm, "critic": load_critic, "reward_model": 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, role: str = "actor") -> Path:
     """Merge the FSDP shards of `role` in `checkpoint` (a `.../checkpoints/global_step_N` directory) on the
-    CPU and write them with the config, tokenizer, generation config and vLLM engine settings of the run."""
-    checkpoint = Path(checkpoint)
+    CPU and write them with the config, tokenizer, generation config and vLLM engine settings of the run. A write
+    that fails (a full disk) raises `ExportError` saying what to do."""
+    try:
+        return _export(Path(checkpoint), out_dir, role)
+    except ExportError as err:
+        raise ExportError(
+            f"{err}. The checkpoint {checkpoint} is unchanged: free space, or give `ketch export` an out_dir on a "
+            "larger disk, then run it again"
+        ) from err
+
+
+def _export(checkpoint: Path, out_dir: str | Path, role: str) -> Path:
     read_trainer_state(checkpoint)  # a half-written checkpoint fails here with a clear message
     part = checkpoint / role
     if role not in ROLES or not part.is_dir():

@@ -230,6 +230,8 @@ class TrainingLoop:
             "traceback": err.traceback if isinstance(err, WorkerError) else "".join(traceback.format_exception(err)),
             "out_of_memory": is_out_of_memory(err),
         }
+        if hasattr(err, "stage"):  # a failure after the steps (the export)
+            failure["stage"] = err.stage
         if failure["out_of_memory"]:
             failure["advice"] = out_of_memory_advice(getattr(err, "method", ""), self.config)
         self.failures.append(failure)
@@ -293,7 +295,7 @@ class TrainingLoop:
                 f"{err.cause}. {held} the trained model: free space (or set trainer.default_local_dir to a larger "
                 f"disk), then run the same command again: {again}"
             )
-            failed.step = self.step  # the export follows the last step
+            failed.step, failed.stage = self.step, "export"  # the export follows the last step
             raise failed from err
         return model_dir
 

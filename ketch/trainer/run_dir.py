@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
+import logging
 import os
 import shutil
 import socket
@@ -24,6 +25,8 @@ from typing import Any
 
 LOCK_FILE = "run.lock"
 """The file in a run directory that the run holding it locks."""
+
+logger = logging.getLogger("ketch")
 
 
 class RunDirBusyError(RuntimeError):
@@ -127,6 +130,33 @@ def removed_if_start_fails(run_dir: Path) -> Iterator[None]:
         if fresh:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+
+
+def warn_if_steps_replaced(run_dir: Path, why: str) -> None:
+    """Before a run that starts at step 1 whatever `run_dir` holds (`why` says so) writes its steps: one warning when
+    `metrics.jsonl` there holds the steps of an earlier run, which this run replaces."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return
+    with path.open() as lines:
+        steps = [_json_or_none(line) for line in lines]
+    last = max((r["step"] for r in steps if r and isinstance(r.get("step"), int)), default=0)
+    if last:
+        logger.warning(
+            "%s holds steps up to %d of an earlier run; %s, so this run starts again at step 1 and replaces them "
+            "(set another trainer.experiment_name to keep both)",
+            path,
+            last,
+            why,
+        )
+
+
+def _json_or_none(line: str) -> dict | None:
+    """A record of `metrics.jsonl`; None for a line cut short (a killed run's last) or blank."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:

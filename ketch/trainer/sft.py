@@ -22,7 +22,7 @@ from ketch.rollout.multi_turn import tool_schemas, turn_stop_strings
 from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import due
 from ketch.trainer.groups import build_worker_groups
-from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails
+from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails, warn_if_steps_replaced
 from ketch.trainer.validation import generate_and_score
 
 
@@ -84,7 +84,9 @@ class SFTTrainer:
         model is not saved then); without it the result is the last step's model."""
         c = self.config
         with removed_if_start_fails(self.run_dir):
+            warn_if_steps_replaced(self.run_dir, "ketch sft does not resume")
             tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, step_lines=False)
+            tracker.truncate_after(-1)
             plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
             groups = build_worker_groups(c, self.model_path, plan, self.total_steps)
         group = groups.actor_rollout
