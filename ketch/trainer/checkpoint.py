@@ -6,6 +6,7 @@ Layout of `<run dir>/checkpoints/`:
         actor/            sharded model + optimizer (DCP), extra_rank{r}.pt, manifest.json, hf/ (config, tokenizer)
         critic/           the same for the critic (when there is one)
         trainer_state.json  global step, data position, KL controller, validation history
+        partial_rollouts.pt the trajectories in flight of partial rollouts (rollout.partial), when on
         config.json       the config that made it
     latest              "global_step_12"
 
