@@ -242,7 +242,16 @@ def _config_rows(config: KetchConfig) -> list[Check]:
     `config` (`ketch/doctor_config.py`)."""
     import torch
 
-    from ketch.doctor_config import batch_row, data_row, memory_row, model_row, parallel_row, paths_row
+    from ketch.doctor_config import (
+        available_host_memory,
+        batch_row,
+        data_row,
+        host_memory_row,
+        memory_row,
+        model_row,
+        parallel_row,
+        paths_row,
+    )
 
     model, tokenizer, model_config = model_row(config)
     train, train_set = data_row(config, "train_files", tokenizer)
@@ -253,6 +262,7 @@ def _config_rows(config: KetchConfig) -> list[Check]:
         paths_row(config, model_config, gpu_bytes is not None),
         parallel_row(config, model_config),
         memory_row(config, model_config, gpu_bytes),
+        host_memory_row(config, model_config, available_host_memory()),
     )
     return [model, train, val, batch_row(config, train_set), *(row for row in optional if row)]
 

@@ -26,8 +26,10 @@ from ketch.config.parallel import (
     sequence_parallel_problem,
 )
 from ketch.config.schema import BUILTIN_MODEL
+from ketch.controller.errors import HOST_MEMORY_FIX
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
 from ketch.data.loader import PromptLoader
+from ketch.disk import size_text
 from ketch.models import ModelLoadError, load_model_config, load_tokenizer
 from ketch.models.gguf import cached_gguf_model, is_gguf
 from ketch.preflight import GIB, Check
@@ -274,3 +276,38 @@ def meta_model(model_config: Any, trust_remote_code: bool) -> torch.nn.Module | 
             return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
     except (ValueError, TypeError, ImportError, RuntimeError, AttributeError):
         return None
+
+
+def host_memory_row(config: KetchConfig, model_config: Any, available: int | None) -> Check | None:
+    """What the worker processes of one node hold in host memory at start-up, against the `available` bytes
+    (`MemAvailable`; None: unknown here): each process loads the full weights of each of its models before it keeps
+    its shard, and on CPUs the training state (16 bytes per trained parameter) stays there too. None without a model
+    config (the built-in model is small) or a figure to compare with."""
+    model = meta_model(model_config, config.model.trust_remote_code) if model_config is not None else None
+    if model is None or available is None:
+        return None
+    parameters = sum(p.numel() for p in model.parameters())
+    gpu = config.uses_gpu(torch.cuda.is_available())
+    loaded = {"float32": 4, "auto": 2 if gpu else 4}.get(config.model.dtype, 2)
+    models = 1 + (config.use_reference and not config.actor.lora.enabled) + config.use_critic
+    processes = config.num_processes(gpu) // config.trainer.nnodes
+    needed = processes * models * parameters * loaded
+    if not gpu:
+        needed += (1 + config.use_critic) * parameters * 16
+    detail = (
+        f"about {size_text(needed)} for {processes} worker process(es) x {models} model(s) of {parameters:,} "
+        f"parameters; {size_text(available)} available"
+    )
+    if needed <= TIGHT * available:
+        return Check("host memory", "ok", detail)
+    return Check("host memory", "FAIL" if needed > available else "warn", detail, HOST_MEMORY_FIX)
+
+
+def available_host_memory() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes; None where there is none (not Linux)."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    found = next((line.split()[1] for line in lines if line.startswith("MemAvailable:")), None)
+    return int(found) * 1024 if found else None

@@ -10,8 +10,12 @@ import sys
 
 import pytest
 from commands import ROOT, cli_error, ketch_env
+from transformers import AutoConfig
 
+from ketch.config import load_config
+from ketch.controller.errors import HOST_MEMORY_FIX
 from ketch.doctor import run_checks
+from ketch.doctor_config import host_memory_row
 
 
 def start(capsys, tmp_path, task_files, *overrides: str) -> str:
@@ -146,3 +150,16 @@ def test_a_resume_path_that_does_not_exist_is_called_so(capsys, tmp_path, task_f
         "directory (<run dir>/checkpoints/global_step_N), or trainer.resume_mode=auto\n"
     )
     assert doctor_row("resume", f"trainer.resume_mode={missing}").status == "FAIL"
+
+
+def test_doctor_flags_worker_processes_that_need_more_host_memory_than_is_available(tiny_model_dir):
+    """4 CPU workers each load the tiny model's 21,920 float32 parameters (4 x 87,680 bytes), and the CPU training
+    state adds 16 bytes per parameter (350,720): 701,440 bytes against 500,000 available."""
+    config = load_config(overrides=[f"model.path={tiny_model_dir}", "trainer.n_cpu_workers=4", "trainer.device=cpu"])
+    row = host_memory_row(config, AutoConfig.from_pretrained(tiny_model_dir), available=500_000)
+    assert (row.status, row.fix) == ("FAIL", HOST_MEMORY_FIX)
+    assert row.detail == (
+        "about 701440 bytes (685.0 KiB) for 4 worker process(es) x 1 model(s) of 21,920 parameters; 500000 bytes "
+        "(488.3 KiB) available"
+    )
+    assert host_memory_row(config, AutoConfig.from_pretrained(tiny_model_dir), available=10**9).status == "ok"
