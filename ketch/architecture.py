@@ -12,11 +12,18 @@ architecture matrix test (`tests/test_architectures.py`).
 
 from __future__ import annotations
 
+import inspect
+import logging
+import re
 from dataclasses import dataclass
+from functools import cache
+from types import MethodType
 from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("ketch.engine")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,26 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family(),
     "lfm2": Family(),
     "llama4_text": Family(),
+    "apertus": Family(),
+    "arcee": Family(),
+    "bloom": Family(),
+    "cohere2": Family(),
+    "exaone4": Family(),
+    "glm": Family(),
+    "glm4": Family(),
+    "gpt_bigcode": Family(),
+    "granitemoe": Family(),
+    "jamba": Family(),
+    "nemotron": Family(),
+    "olmo": Family(),
+    "olmo3": Family(),
+    "opt": Family(),
+    "persimmon": Family(),
+    "phimoe": Family(),
+    "recurrent_gemma": Family(),
+    "seed_oss": Family(),
+    "smollm3": Family(),
+    "xglm": Family(),
 }
 """The families the architecture matrix test runs, each through packing, static decoding and a GRPO run."""
 
@@ -135,11 +162,12 @@ PLAIN_LOGITS = LogitTransform()
 
 def logit_transform(config: Any) -> LogitTransform:
     """Granite divides the logits by `logits_scaling`, Cohere multiplies them by `logit_scale`, Gemma 2 and 3
-    soft-cap them at `final_logit_softcapping`: the training forward's log-probs must see the logits that sampling
-    saw."""
+    soft-cap them at `final_logit_softcapping`, RecurrentGemma at `logits_soft_cap`: the training forward's log-probs
+    must see the logits that sampling saw."""
     scale = 1.0 / (getattr(config, "logits_scaling", None) or 1.0)
     scale *= getattr(config, "logit_scale", None) or 1.0
-    return LogitTransform(scale, getattr(config, "final_logit_softcapping", None))
+    softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+    return LogitTransform(scale, softcap)
 
 
 @dataclass(frozen=True)
@@ -155,27 +183,30 @@ def router_outputs(model: nn.Module) -> list[tuple[nn.Module, int]]:
     """The modules of a mixture of experts whose outputs hold its router logits `[tokens, experts]`, each with the
     index of the logits in its output, from transformers' own record of them (`_can_record_outputs["router_logits"]`:
     a module class, a suffix of the modules' names or an `OutputRecorder`, or a list of them; the index is 1 where
-    only a class or a name is given, as transformers takes it)."""
+    only a class or a name is given, as transformers takes it). An `OutputRecorder`'s `layer_name` narrows its class
+    to the modules of that name (Jamba records `nn.Linear` named `router`, not every linear layer)."""
     recorders = [getattr(type(m), "_can_record_outputs", None) or {} for m in model.modules()]
     found = next((r["router_logits"] for r in recorders if "router_logits" in r), None)
     specs = [] if found is None else found if isinstance(found, list) else [found]
     outputs = []
-    for target, suffix, index in map(_recorded, specs):
+    for target, suffix, layer, index in map(_recorded, specs):
         outputs += [
             (module, index)
             for name, module in model.named_modules()
-            if (target is not None and isinstance(module, target)) or (suffix is not None and name.endswith(suffix))
+            if ((target is not None and isinstance(module, target)) or (suffix is not None and name.endswith(suffix)))
+            and (layer is None or f".{layer.strip('.')}." in f".{name}.")
         ]
     return outputs
 
 
-def _recorded(spec: Any) -> tuple[type | None, str | None, int]:
-    """The module class, module-name suffix and output index of one entry of transformers' `_can_record_outputs`."""
+def _recorded(spec: Any) -> tuple[type | None, str | None, str | None, int]:
+    """The module class, module-name suffix, layer name and output index of one entry of transformers'
+    `_can_record_outputs`."""
     if isinstance(spec, type):
-        return spec, None, 1
+        return spec, None, None, 1
     if isinstance(spec, str):
-        return None, spec, 1
-    return spec.target_class, spec.class_name, spec.index
+        return None, spec, None, 1
+    return spec.target_class, spec.class_name, getattr(spec, "layer_name", None), spec.index
 
 
 def router(config: Any) -> Router | None:
@@ -207,15 +238,117 @@ def block_attention(block: nn.Module) -> nn.Module | None:
     return found[0] if len(found) == 1 else None
 
 
+NOISE_FIELD = re.compile(r"dropout|pdrop|layerdrop|drop_path|jitter_noise")
+"""The names of module attributes that hold a rate of randomness in training forwards: dropout (`attention_dropout`,
+GPT-2's `attn_pdrop`, Seed-OSS's `residual_dropout`, OPT's `dropout` and `layerdrop`), stochastic depth, a router's
+jitter noise."""
+
+
+class RandomForwardError(ValueError):
+    """A model whose training-mode forward is random after ketch turned its dropout and noise off."""
+
+
 def disable_dropout(model: nn.Module) -> None:
-    """Turn off every dropout of `model`: its `nn.Dropout` modules (GPT-2's and Phi's residual, embedding and
-    attention dropout) and the rates that attention modules keep as numbers (`attention_dropout`, passed to the
-    attention function while training). The training forward must compute the distribution the rollout sampled."""
+    """Make `model`'s training-mode forward compute what its eval-mode forward computes, which the rollout samples
+    from: the update must differentiate the distribution the tokens came from.
+
+    Names alone miss some (GPT-BigCode's `attn_pdrop`, Seed-OSS's residual dropout kept as a number, PhiMoE's router,
+    which samples its experts while training), so what the model computes decides, not a list of names:
+    1. the modules whose own forward reads their training flag (attention modules for their dropout, routers with
+       jitter, PhiMoE's sampling router) stay in eval mode (`_pin_to_eval`), but for the decoder blocks, whose flag
+       transformers' gradient checkpointing reads: eval mode for the whole model would turn it off;
+    2. in the blocks, the float attributes whose names say dropout or noise (`NOISE_FIELD`: OPT's `dropout`, BLOOM's
+       `hidden_dropout`) are set to 0, as are all `nn.Dropout` rates; where the eval-mode logits then change, such a
+       rate was part of the model's computation and the attributes get their values back. The config is left as it
+       is: PhiMoE's jitter also decides, in eval mode, which experts share a token, and the export writes it;
+    3. two training-mode forwards and the eval-mode forward of the same 8 tokens (no gradients: on the CPU where the
+       model is loaded, about the cost of decoding 24 tokens) must give the eval-mode logits from before; a model
+       still random raises `RandomForwardError`."""
+    reference = _logits(model, training=False)
+    pinned = _pin_to_eval(model)
+    changed = _zero_block_noise(model)
+    if (_logits(model, training=False) - reference).abs().max().item() > _same_logits_tolerance(model):
+        for target, name, value in changed:
+            setattr(target, name, value)
+    gap = max((_logits(model, training) - reference).abs().max().item() for training in (True, True, False))
+    if gap > _same_logits_tolerance(model):
+        raise RandomForwardError(
+            f"{type(model).__name__} (model_type={model.config.model_type!r}) computes other logits in each "
+            f"training-mode forward of the same tokens (largest gap {gap:.3g}) after ketch kept its modules that read "
+            "their training flag in eval mode and set its blocks' dropout and noise rates to 0: ketch would train "
+            "another distribution than the rollout samples; turn the model's randomness off in its config "
+            "(model.override_config)"
+        )
+    logger.debug("%s: %s kept in eval mode while training", type(model).__name__, pinned)
+
+
+def _zero_block_noise(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
+    """Step 2 of `disable_dropout`: the dropout and noise rates of `model`'s decoder blocks set to 0, and every
+    `nn.Dropout`'s; returns the (module, attribute, value before) of the blocks' rates."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    changed = []
     for module in model.modules():
-        if isinstance(module, nn.Dropout):
+        if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        if not isinstance(module, GradientCheckpointingLayer):
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and value > 0 and NOISE_FIELD.search(name):
+                setattr(module, name, 0.0)
+                changed.append((module, name, value))
+    return changed
+
+
+def _logits(model: nn.Module, training: bool) -> torch.Tensor:
+    """`model`'s logits `[1, 8, vocab]` (float32) of 8 fixed tokens in training or eval mode, without gradients; the
+    model's mode is left as it was."""
+    was_training, device = model.training, next(model.parameters()).device
+    tokens = torch.arange(1, 9, device=device)[None] % model.config.get_text_config().vocab_size
+    model.train(training)
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    model.train(was_training)
+    return logits
+
+
+def _same_logits_tolerance(model: nn.Module) -> float:
+    """How far the logits of the same tokens may differ between training and eval mode through rounding alone
+    (kernels may differ between the modes): 1e-4 in float32, 1e-2 in 16 bits; dropout moves them by far more."""
+    return 1e-4 if next(model.parameters()).dtype == torch.float32 else 1e-2
+
+
+def _pin_to_eval(model: nn.Module) -> list[str]:
+    """Keep in eval mode, whatever `train()` is called with, the modules of `model` whose own `forward` reads their
+    training flag, but for the decoder blocks (transformers' gradient checkpointing reads theirs); their children
+    follow `train()`. Returns the class names of the modules kept in eval mode."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    pinned = []
+    for module in model.modules():
+        if _reads_training_flag(type(module)) and not isinstance(module, GradientCheckpointingLayer):
+            module.train = MethodType(_train_in_eval_mode, module)
+            module.training = False
+            pinned.append(type(module).__name__)
+    return sorted(set(pinned))
+
+
+def _train_in_eval_mode(self: nn.Module, mode: bool = True) -> nn.Module:
+    """`nn.Module.train` of a module kept in eval mode: its children follow `mode`, it stays in eval mode."""
+    self.training = False
+    for child in self.children():
+        child.train(mode)
+    return self
+
+
+@cache
+def _reads_training_flag(module_class: type) -> bool:
+    """Whether `module_class.forward`'s own source reads `self.training` (other than for gradient checkpointing)."""
+    try:
+        source = inspect.getsource(module_class.forward)
+    except (OSError, TypeError):
+        return False
+    return "self.training" in source.replace("self.gradient_checkpointing and self.training", "")
 
 
 def attention_implementation(config: Any, requested: str) -> str | None:
@@ -271,7 +404,51 @@ def _fast_path_problem(model: nn.Module) -> str | None:
     packed row as one sequence)."""
     if not getattr(model, "_supports_attention_backend", False):
         return "its attention does not go through transformers' attention interface"
-    return _attention_problem(model) or _layer_problem(model.config)
+    return _attention_problem(model) or _layer_problem(model.config) or _block_problem(model) or _keyword_problem(model)
+
+
+def _block_problem(model: nn.Module) -> str | None:
+    """Why not every decoder block of `model` attends (a recurrent block, RecurrentGemma's, would run over a packed
+    row as one sequence), or None."""
+    blocks = decoder_blocks(model)
+    if blocks and any(block_attention(block) is None for block in blocks):
+        return "not all of its decoder blocks have an attention module (recurrent or state-space blocks)"
+    return None
+
+
+PROBE = "ketch_probe"
+"""The attention function that `_keyword_problem` registers for a moment."""
+
+
+class _Reached(Exception):
+    """Raised by the probe attention: whether the probe's keyword argument reached it."""
+
+
+def _probe_attention(module: nn.Module, query: torch.Tensor, *args, **kwargs) -> None:
+    raise _Reached(PROBE in kwargs)
+
+
+def _keyword_problem(model: nn.Module) -> str | None:
+    """Why keyword arguments given to `model`'s backbone do not reach its attention function, or None: ketch's packed
+    and decode attention get the sequence offsets and the cache slots that way, and a block that drops them
+    (Nemotron's) would attend without them. Found by calling the backbone on one token with a probe attention, which
+    stops the forward at the first attention call (so only the embedding and one block's projections run)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PROBE, _probe_attention)
+    before, device = model.config._attn_implementation, next(model.parameters()).device
+    model.set_attn_implementation(PROBE)
+    reached = False
+    try:
+        with torch.no_grad():
+            decoder(model)(input_ids=torch.ones(1, 1, dtype=torch.long, device=device), **{PROBE: True})
+    except _Reached as probe:
+        reached = probe.args[0]
+    except TypeError:  # a forward that takes no such keyword
+        reached = False
+    finally:
+        model.set_attn_implementation(before)
+    return None if reached else "its decoder blocks do not pass keyword arguments on to its attention function"
 
 
 def _attention_problem(model: nn.Module) -> str | None:

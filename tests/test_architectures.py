@@ -22,9 +22,15 @@ from ketch.models import load_causal_lm
 from ketch.models.tiny import FAMILY_SETTINGS, save_tiny_family_model
 from ketch.trainer.ppo import PPOTrainer
 
+OFF_INTERFACE = "its attention does not go through transformers' attention interface"
 NOT_PACKED = {
     "gemma2": "it soft-caps its attention logits (config.attn_logit_softcapping)",
-    "stablelm": "its attention does not go through transformers' attention interface",
+    "stablelm": OFF_INTERFACE,
+    "bloom": OFF_INTERFACE,
+    "xglm": OFF_INTERFACE,
+    "jamba": OFF_INTERFACE,
+    "nemotron": "its decoder blocks do not pass keyword arguments on to its attention function",
+    "recurrent_gemma": "not all of its decoder blocks have an attention module (recurrent or state-space blocks)",
     "gpt_oss": "its attention adds sink logits (attention sinks)",
     "lfm2": "not all of its layers are full or sliding-window attention (config.layer_types: ['conv', "
     "'full_attention'])",
@@ -35,9 +41,22 @@ NOT_PACKED = {
 NOT_STATIC = NOT_PACKED | {
     "deepseek_v3": "its keys and values are not of its config's head size (multi-head latent attention)",
     "lfm2": "its decoder blocks have no single attention module each",
+    "jamba": "its decoder blocks have no single attention module each",
+    "recurrent_gemma": "its decoder blocks have no single attention module each",
 }
 """The families that decode with `generate`, and why."""
-MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "llama4_text"}
+MOE = {
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v3",
+    "llama4_text",
+    "phimoe",
+    "granitemoe",
+    "jamba",
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +87,7 @@ def ragged_batch(vocab: int, prompt_len: int = 10, response_len: int = 12):
 
 def test_every_family_has_a_tiny_model():
     assert FAMILY_SETTINGS.keys() == FAMILIES.keys()
-    assert len(FAMILIES) == 24
+    assert len(FAMILIES) == 44
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

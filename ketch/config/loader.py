@@ -223,6 +223,8 @@ def _coerce(value: Any, kind: Any, path: str) -> Any:
                 continue
         raise _type_error(path, value, kind)
     if origin is Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:
+            return "on" if value else "off"  # YAML reads a bare off (on) as false (true)
         if value not in args:
             raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(repr, args))}")
         return value

@@ -192,10 +192,16 @@ class TrainEngine:
     # ----------------------------------------------------------------- inference
     @torch.no_grad()
     def infer(
-        self, data: DataProto, micro_batch_size: int | None, max_tokens: int | None = None, **kwargs
+        self,
+        data: DataProto,
+        micro_batch_size: int | None,
+        max_tokens: int | None = None,
+        train: bool = False,
+        **kwargs,
     ) -> dict[str, torch.Tensor]:
-        """Run the module over `data` in micro-batches (eval mode, no grad); outputs concatenated `[batch, ...]`."""
-        self.module.eval()
+        """Run the module over `data` in micro-batches (eval mode, or with `train` the update's training mode; no
+        grad); outputs concatenated `[batch, ...]`."""
+        self.module.train(train)
         outputs = defaultdict(list)
         for micro, host_mask in self._on_device(split_micro_batches(data, micro_batch_size, max_tokens)):
             for key, value in self._forward(micro, host_mask, **kwargs).items():

@@ -97,6 +97,35 @@ FAMILY_SETTINGS: dict[str, dict] = {
         "intermediate_size_mlp": 128,
         "attention_chunk_size": SLIDING,
     },
+    "apertus": {},
+    "arcee": {},
+    "bloom": {},
+    "cohere2": {},
+    "exaone4": {},
+    "glm": {},
+    "glm4": {},
+    "gpt_bigcode": {"num_key_value_heads": None, "intermediate_size": None},  # dropout as attn_pdrop (0.1)
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "jamba": {  # Mamba layers, then attention; experts in every second layer
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "mamba_d_state": 8,
+        "mamba_dt_rank": 8,
+    },
+    "nemotron": {},
+    "olmo": {},
+    "olmo3": {},
+    "opt": {"num_key_value_heads": None, "intermediate_size": None, "ffn_dim": 128, "word_embed_proj_dim": 64},
+    "persimmon": {"num_key_value_heads": None},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},  # router jitter noise 0.01
+    "recurrent_gemma": {},
+    "seed_oss": {},  # attention and residual dropout 0.1
+    "smollm3": {},
+    "xglm": {"num_key_value_heads": None, "intermediate_size": None, "ffn_dim": 128},
 }
 """Per family of `ketch.architecture.FAMILIES`: what its tiny config sets beside `FAMILY_SIZES` and 2 key/value
 heads (None: left to the family's own default)."""

@@ -300,9 +300,10 @@ class PPOTrainer(TrainingLoop):
         self.mismatch_checked, b = True, batch.batch
         if self.config.actor.mismatch_check == "off" or "rollout_log_probs" not in b:
             return
-        out = self.actor_rollout.compute_mismatch_log_probs(batch).batch
-        mismatch = measure(b["rollout_log_probs"], out["train_log_prob"], out["eval_log_prob"], b["response_mask"])
-        check(mismatch, self.family, self.config)
+        out = self.actor_rollout.compute_mismatch_log_probs(batch)
+        train, evaluated = out.batch["train_log_prob"], out.batch["eval_log_prob"]
+        mismatch = measure(b["rollout_log_probs"], train, evaluated, b["response_mask"])
+        check(mismatch, self.family, out.meta_info["fast_paths"], self.config)
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm

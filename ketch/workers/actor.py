@@ -163,6 +163,25 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         return DataProto.from_dict({"old_log_prob": out["log_prob"].cpu(), "entropy": out["entropy"].cpu()})
 
     @register(DP_COMPUTE_PROTO)
+    def compute_mismatch_log_probs(self, data: DataProto) -> DataProto:
+        """`train_log_prob` and `eval_log_prob` `[batch, response_len]`: the actor's forward in training mode (the
+        update's, no gradients) and in eval mode, for the first step's check against the rollout's log-probs; in
+        `meta_info["fast_paths"]`, ketch's own code paths that computed them and the rollout's (`mismatch_guard.PLAIN`
+        names them)."""
+        micro, kwargs = self.config.rollout.log_prob_micro_batch_size_per_device, self._forward_kwargs(False)
+        out = {}
+        for name, train in (("train_log_prob", True), ("eval_log_prob", False)):
+            out[name] = self.actor.infer(data, micro, self._token_budget(), train=train, **kwargs)["log_prob"].cpu()
+        taken = {
+            "packed training forwards": getattr(getattr(self.actor, "module", None), "packed", False),
+            "compiled training blocks": isinstance(self.actor, TrainEngine)
+            and compile_enabled(self.config.model.use_torch_compile, self.device),
+            "the static decoder": getattr(self.rollout, "decoder", None) is not None,
+            "vLLM": self.config.rollout.name == "vllm",
+        }
+        return DataProto.from_dict(out, meta_info={"fast_paths": [path for path, on in taken.items() if on]})
+
+    @register(DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """`ref_log_prob` `[batch, response_len]` under the frozen reference policy: with `actor.lora`, the actor's
         base model (its adapters turned off for these forwards)."""

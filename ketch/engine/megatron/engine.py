@@ -212,13 +212,19 @@ class MegatronEngine:
     # ----------------------------------------------------------------- inference
     @torch.no_grad()
     def infer(
-        self, data: DataProto, micro_batch_size: int | None, max_tokens: int | None = None, **kwargs
+        self,
+        data: DataProto,
+        micro_batch_size: int | None,
+        max_tokens: int | None = None,
+        train: bool = False,
+        **kwargs,
     ) -> dict[str, torch.Tensor]:
         """Outputs `[batch, response_len]` of the module over `data` in micro-batches of `micro_batch_size` rows
-        (eval mode, no grad), on every rank of the model (the last pipeline stage broadcasts them)."""
+        (eval mode, or with `train` the update's training mode; no grad), on every rank of the model (the last
+        pipeline stage broadcasts them)."""
         self._forward_kwargs(**kwargs)
         for chunk in self.chunks:
-            chunk.eval()
+            chunk.train(train)
         micros = split_micro_batches(data, micro_batch_size, max_tokens)
         real = [len(m) for m in micros]
         store = self._run(self._schedulable(micros), self._outputs_only, forward_only=True)

@@ -46,7 +46,7 @@ def transformer_config(hf_config: Any, megatron: MegatronConfig, dtype: torch.dt
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
         hidden_dropout=0.0,
-        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        attention_dropout=0.0,  # the update trains the distribution the rollout sampled: no randomness
         tensor_model_parallel_size=megatron.tensor_model_parallel_size,
         pipeline_model_parallel_size=megatron.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=megatron.virtual_pipeline_model_parallel_size,
