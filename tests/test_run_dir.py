@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 from commands import ROOT, cli_error, ketch_env
 
+from ketch.cli import main
 from ketch.doctor import run_checks
 from ketch.trainer.checkpoint import CheckpointManager
+from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.run_dir import LOCK_FILE, RunDirBusyError, RunDirLock, holder, removed_if_start_fails
+from ketch.trainer.sft import SFTTrainer
 
 HOLD = (
     "import sys, time; from ketch.trainer.run_dir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
@@ -164,3 +167,28 @@ def test_after_a_kill_9_the_next_run_resumes(tiny_model_dir, task_files, tmp_pat
     out, err = again.communicate(timeout=300)
     assert again.returncode == 0, err
     assert f"resumed from {latest} at step {step}" in err + out and f"finished {step + 1} steps" in err + out
+
+
+def test_export_and_report_read_a_held_run_directory(tiny_config, tmp_path, capsys):
+    """A live run's checkpoint exports, and its report is written, while the run holds its directory."""
+    trainer = PPOTrainer(tiny_config("trainer.total_steps=1"))
+    trainer.fit()
+    holding = hold(trainer.run_dir)
+    try:
+        checkpoint = trainer.run_dir / "checkpoints" / "global_step_1"
+        assert main(["export", str(checkpoint), str(tmp_path / "exported")]) == 0
+        assert main(["report", str(trainer.run_dir)]) == 0
+    finally:
+        holding.kill()
+        holding.wait()
+    assert (tmp_path / "exported" / "model.safetensors").is_file() and (trainer.run_dir / "report.html").is_file()
+    assert holder(trainer.run_dir) is None
+
+
+def test_sft_holds_its_run_directory_while_it_trains_and_gives_it_up_at_the_end(tiny_config):
+    config = tiny_config("trainer.total_steps=1", "trainer.test_freq=1")
+    sft = SFTTrainer(config, model_path=config.model.path)
+    held = []
+    sft.fit(stop_when=lambda metrics: held.append(holder(sft.run_dir)) or False)
+    assert [h["pid"] for h in held] == [os.getpid()]
+    assert holder(sft.run_dir) is None
