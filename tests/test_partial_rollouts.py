@@ -11,9 +11,11 @@ from test_checkpoint import break_after
 
 from ketch.config import ConfigError, load_config
 from ketch.config.partial import describe_partial_rollouts
+from ketch.protocol import DataProto
+from ketch.rollout.base import rollout_output
 from ketch.tracking import read_metrics
 from ketch.trainer.loop import RunFailedError
-from ketch.trainer.partial import PARTIAL_FILE, continuation
+from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts, continuation
 from ketch.trainer.ppo import PPOTrainer
 
 PARTIAL = (
@@ -182,3 +184,49 @@ def test_the_doctor_line_says_what_partial_rollouts_bound():
         "spans at most 2 steps (max_staleness 1); its older tokens weighted by truncated importance sampling "
         "(actor.rollout_is=token, at most 2)"
     )
+
+
+def test_a_round_keeps_a_rows_tokens_up_to_its_stop_or_budget_when_padding_is_a_stop_token(tiny_config):
+    # pad = the stop token 1, as for models that pad with their EOS: a row that used its whole budget reads as
+    # stopped one token later, which is a cut, not a stop; a row stopped by its own token is finished; a row cut at
+    # data.max_response_length (8) is finished too
+    buffer = PartialRollouts(
+        tiny_config(*PARTIAL, "rollout.partial.round_tokens=3", "rollout.partial.max_staleness=2"), pad_token_id=1
+    )
+    prompt = torch.tensor([[9, 9]] * 3)
+    rows = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, meta_info={})
+    rows = buffer._add(None, rows)
+    so_far = torch.tensor([[1] * 8, [1] * 8, [4, 4, 4, 4, 4, 4, 1, 1]])
+    rows.batch |= {
+        "responses": so_far,
+        "response_length": torch.tensor([0, 0, 6]),
+        "first_step": torch.tensor([0, 0, 1]),
+    }
+    calls = []
+
+    def generate(inputs: DataProto) -> DataProto:
+        calls.append(inputs)
+        sampled = torch.tensor([[5, 6, 7], [5, 1, 1], [5, 6, 7]])
+        responses = torch.nn.functional.pad(sampled, (0, 5), value=1)
+        log_probs = -torch.arange(1, 9).float().expand(3, 8) / 10
+        return rollout_output(inputs, responses, log_probs, stop_token_ids=[1], pad_token_id=1)
+
+    out = buffer._continue(rows, step=2, generate=generate).batch
+    assert calls[0].meta_info["max_new_tokens"] == 3
+    assert calls[0].batch["input_ids"].tolist()[2] == [9, 9, 4, 4, 4, 4, 4, 4]
+    assert out["responses"].tolist() == [[5, 6, 7, 1, 1, 1, 1, 1], [5, 1, 1, 1, 1, 1, 1, 1], [4, 4, 4, 4, 4, 4, 5, 6]]
+    assert out["response_length"].tolist() == [3, 2, 8]
+    assert out["finished"].tolist() == [False, True, True]
+    assert out["first_step"].tolist() == [2, 2, 1]
+    assert out["rollout_log_probs"][2, 6:].tolist() == pytest.approx([-0.1, -0.2])
+    assert out["rollout_log_probs"][0].tolist() == pytest.approx([-0.1, -0.2, -0.3, 0, 0, 0, 0, 0])
+
+
+def test_a_checkpoints_buffer_of_another_group_size_is_refused_naming_the_keys(tiny_config, tmp_path):
+    prompt = torch.tensor([[9, 9]] * 2)
+    prompts = DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}, {"uid": ["a", "b"]})
+    saved = PartialRollouts(tiny_config(*PARTIAL), pad_token_id=0)._add(None, prompts.repeat(2))
+    saved.save_to_disk(tmp_path / PARTIAL_FILE)
+    PartialRollouts(tiny_config(*PARTIAL), pad_token_id=0).load(tmp_path / PARTIAL_FILE)
+    with pytest.raises(ValueError, match=r"another rollout.n or data.max_response_length than this run's \(3, 8\)"):
+        PartialRollouts(tiny_config(*PARTIAL, "rollout.n=3"), pad_token_id=0).load(tmp_path / PARTIAL_FILE)

@@ -27,7 +27,9 @@ class Rollout(ABC):
     `temperature` for one call (validation decodes greedily), and may give `max_new_tokens` (at most
     `data.max_response_length`) and `stop` (strings that end a response, such as the end of a tool call), as
     the multi-turn loop does for each turn: a backend stops there where it can, else decodes on, and the
-    caller cuts each response after its first stop string and to its budget."""
+    caller cuts each response after its first stop string and to its budget. Partial rollouts
+    (`ketch.trainer.partial`) continue a trajectory the same way: its prompt and response so far as the prompt, a
+    round's tokens as `max_new_tokens`."""
 
     @abstractmethod
     def generate(self, prompts: DataProto) -> DataProto: ...

@@ -193,11 +193,17 @@ class PartialRollouts:
         of a run without partial rollouts)."""
         self.rows = DataProto.load_from_disk(path) if path is not None and path.is_file() else None
         self.before = (0, None)
-        if self.rows is not None and self.rows.batch["responses"].shape[-1] != self.max_length:
+        if self.rows is not None and not self._fits(self.rows):
             raise ValueError(
-                f"{path} holds responses of up to {self.rows.batch['responses'].shape[-1]} tokens, but "
-                f"data.max_response_length={self.max_length}: resume with the checkpoint's data.max_response_length"
+                f"{path} holds trajectories of another rollout.n or data.max_response_length than this run's "
+                f"({self.n}, {self.max_length}): resume with the checkpoint's values"
             )
+
+    def _fits(self, rows: DataProto) -> bool:
+        """Whether `rows` are groups of `rollout.n` samples with responses of `data.max_response_length` tokens."""
+        uid = rows.non_tensor_batch["uid"]
+        groups = len(uid) % self.n == 0 and (uid.reshape(-1, self.n) == uid[:: self.n, None]).all()
+        return bool(groups) and rows.batch["responses"].shape[-1] == self.max_length
 
 
 def continuation(
