@@ -25,14 +25,14 @@ from ketch.trainer.sft import SFTTrainer
 
 HOLD = (
     "import sys, time; from ketch.trainer.run_dir import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
-    "print('held', flush=True); time.sleep(600)"
+    "print('held', flush=True); time.sleep(float(sys.argv[2]))"
 )
 
 
-def hold(run_dir: Path) -> subprocess.Popen:
-    """A process that holds the lock of `run_dir` until it is killed (started once it holds it)."""
+def hold(run_dir: Path, seconds: float = 600) -> subprocess.Popen:
+    """A process that holds the lock of `run_dir` for `seconds` or until it is killed (returned once it holds it)."""
     process = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, env=ketch_env()
+        [sys.executable, "-c", HOLD, str(run_dir), str(seconds)], stdout=subprocess.PIPE, text=True, env=ketch_env()
     )
     assert process.stdout.readline() == "held\n"
     return process
@@ -78,6 +78,15 @@ def test_the_lock_file_names_its_holder_and_a_killed_holder_leaves_no_lock(tmp_p
     assert holder(tmp_path) is None
     with RunDirLock(tmp_path):
         assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_held_for_an_instant_does_not_stop_a_start(tmp_path):
+    """`holder` (a starting run's own check, `ketch doctor`) takes the lock for an instant: a run starting then
+    waits that instant out (`PROBE_GRACE_S`, 0.5 s) instead of calling the directory busy."""
+    brief = hold(tmp_path, seconds=0.2)
+    with RunDirLock(tmp_path):
+        assert holder(tmp_path) is not None
+    brief.wait()
 
 
 def test_doctor_flags_a_run_directory_in_use(tmp_path):

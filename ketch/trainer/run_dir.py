@@ -25,6 +25,9 @@ from typing import Any
 
 LOCK_FILE = "run.lock"
 """The file in a run directory that the run holding it locks."""
+PROBE_GRACE_S = 0.5
+"""How long `acquire` tries again before it calls the directory busy: `holder` (a starting run's check, `ketch
+doctor`) takes the lock for an instant, which must not stop a run that starts at that moment."""
 
 logger = logging.getLogger("ketch")
 
@@ -77,20 +80,19 @@ class RunDirLock:
         path = self.run_dir / LOCK_FILE
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _locked(fd, PROBE_GRACE_S):
                 owner = _read_holder(fd) or {}
                 os.close(fd)
-                raise RunDirBusyError(busy_message(self.run_dir, owner)) from None
+                raise RunDirBusyError(busy_message(self.run_dir, owner))
             if _same_file(fd, path):  # else a failed start removed the directory after we opened the file
                 break
             os.close(fd)
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.fd = fd
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "command": _command(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(owner).encode(), 0)
+        text = json.dumps(owner).encode()
+        os.pwrite(fd, text, 0)  # then cut what a longer earlier record left: the file never reads empty
+        os.ftruncate(fd, len(text))
 
     def release(self) -> None:
         """Give the lock up (closing the file releases it); the lock file stays, naming its last holder."""
@@ -157,6 +159,19 @@ def _json_or_none(line: str) -> dict | None:
         return json.loads(line)
     except ValueError:
         return None
+
+
+def _locked(fd: int, grace: float) -> bool:
+    """Whether this process got the exclusive lock of `fd`, trying for up to `grace` seconds."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
