@@ -252,7 +252,7 @@ class _Router(torch.nn.Linear):
 class _Experts(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.gate = _Router(4, 2)
+        self.gate, self.up = _Router(4, 2), torch.nn.Linear(4, 4)
 
 
 def _moe(spec) -> torch.nn.Module:
@@ -266,7 +266,7 @@ def _moe(spec) -> torch.nn.Module:
 def test_router_outputs_read_each_form_of_transformers_record():
     """transformers records router logits by module class (index 1: Llama 4's `Llama4TextMoe` in transformers 5.17,
     which stopped the GPU run), by a suffix of the module names, by an `OutputRecorder` with its own index (5.19's
-    `OutputRecorder(Llama4Router, index=1)`, Mixtral's index 0), or by a list of these."""
+    `OutputRecorder(Llama4Router, index=1)`, Mixtral's index 0) and layer name (Jamba's), or by a list of these."""
     from transformers.utils.output_capturing import OutputRecorder
 
     from ketch.architecture import router_outputs
@@ -281,4 +281,6 @@ def test_router_outputs_read_each_form_of_transformers_record():
     assert found(OutputRecorder(_Router, index=0)) == [("layers.0.gate", 0), ("layers.1.gate", 0)]
     both = [("layers.0.gate", 0), ("layers.1.gate", 0), ("layers.1", 1)]
     assert found([OutputRecorder(_Router, index=0), "1"]) == both
+    # Jamba's: every nn.Linear named `gate` (not the other linear layers), index 0
+    assert found(OutputRecorder(torch.nn.Linear, layer_name="gate")) == [("layers.0.gate", 0), ("layers.1.gate", 0)]
     assert router_outputs(torch.nn.Linear(2, 2)) == []

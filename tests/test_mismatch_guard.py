@@ -136,3 +136,22 @@ def test_a_forward_random_in_every_mode_is_refused_naming_the_family():
     model.model.norm.forward = lambda hidden: original(hidden + torch.randn_like(hidden))
     with pytest.raises(RandomForwardError, match=r"^Qwen2ForCausalLM \(model_type='qwen2'\) computes other logits"):
         disable_dropout(model)
+
+
+def test_a_bare_off_on_the_command_line_turns_the_check_off():
+    """YAML reads a bare `off` as false: a key whose values include "off" takes it as "off"."""
+    from ketch.config import load_config
+
+    assert load_config(overrides=["actor.mismatch_check=off"]).actor.mismatch_check == "off"
+
+
+def test_the_doctors_check_on_two_prompts(tiny_config, dropout_model_dir, monkeypatch):
+    """`check_two_prompts` (for `ketch doctor`): within rounding on the model as ketch trains it, and the run's message
+    once its dropout stays on."""
+    from ketch.trainer.mismatch_guard import check_two_prompts
+
+    mismatch, message = check_two_prompts(tiny_config(f"model.path={dropout_model_dir}"))
+    assert mismatch.largest < 1e-5 and message is None
+    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: None)
+    mismatch, message = check_two_prompts(tiny_config(f"model.path={dropout_model_dir}"))
+    assert mismatch.largest > 1e-3 and MESSAGE.fullmatch(message), message

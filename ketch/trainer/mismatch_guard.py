@@ -14,6 +14,7 @@ import torch
 
 from ketch.config.schema import KetchConfig
 from ketch.models import resolve_dtype
+from ketch.protocol import DataProto
 
 logger = logging.getLogger("ketch")
 
@@ -55,6 +56,13 @@ def measure(
     mean = gap.sum().item() / max(int(valid.sum()), 1)
     at = (row, token)
     return Mismatch(gap.max().item(), mean, row, token, rollout[at].item(), train[at].item(), evaluated[at].item())
+
+
+def measure_forwards(batch: DataProto, forwards: DataProto) -> Mismatch:
+    """`measure` of a generated `batch` (`rollout_log_probs`, `response_mask`) against the actor's forwards over it
+    (`compute_mismatch_log_probs`: `train_log_prob`, `eval_log_prob`)."""
+    b, f = batch.batch, forwards.batch
+    return measure(b["rollout_log_probs"], f["train_log_prob"], f["eval_log_prob"], b["response_mask"])
 
 
 def beyond_rounding(mismatch: Mismatch, dtype: torch.dtype) -> bool:
@@ -143,7 +151,6 @@ def check_two_prompts(config: KetchConfig) -> tuple[Mismatch, str | None]:
     from ketch.controller import LocalWorkerGroup
     from ketch.data import RLHFDataset, resolve_data_files
     from ketch.models import load_tokenizer
-    from ketch.protocol import DataProto
     from ketch.trainer.builtin import resolve_model_path
     from ketch.trainer.validation import generation_inputs
     from ketch.workers import ActorRolloutRefWorker
@@ -153,13 +160,16 @@ def check_two_prompts(config: KetchConfig) -> tuple[Mismatch, str | None]:
     dataset = RLHFDataset(resolve_data_files(config.data.train_files), tokenizer, config.data)
     batch = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(2)]))
     group = LocalWorkerGroup(ActorRolloutRefWorker, config, path, derive_batch_plan(config), 1)
-    group.init_model()
-    prompts = generation_inputs(batch)
-    prompts.meta_info = {"do_sample": True, "temperature": config.rollout.temperature}
-    batch = batch.union(prompts).union(group.generate_sequences(prompts))
-    out, b = group.compute_mismatch_log_probs(batch), batch.batch
-    mismatch = measure(b["rollout_log_probs"], out.batch["train_log_prob"], out.batch["eval_log_prob"], b["response_mask"])
-    dtype, family = compute_dtype(config), family_name(group.worker.hf_config)
+    try:
+        group.init_model()
+        prompts = generation_inputs(batch)
+        prompts.meta_info = {"do_sample": True, "temperature": config.rollout.temperature}
+        batch = batch.union(group.generate_sequences(prompts))
+        forwards = group.compute_mismatch_log_probs(batch)
+        family = family_name(group.worker.hf_config)
+    finally:
+        group.shutdown()
+    mismatch, dtype = measure_forwards(batch, forwards), compute_dtype(config)
     if not beyond_rounding(mismatch, dtype):
         return mismatch, None
-    return mismatch, describe(mismatch, family, out.meta_info["fast_paths"], dtype)
+    return mismatch, describe(mismatch, family, forwards.meta_info["fast_paths"], dtype)

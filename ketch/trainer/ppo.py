@@ -45,7 +45,7 @@ from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_g
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
-from ketch.trainer.mismatch_guard import check, family_name, measure
+from ketch.trainer.mismatch_guard import check, family_name, measure_forwards
 from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts
 from ketch.trainer.standalone_rollout import StandaloneRollout
 from ketch.trainer.validation import generate_and_score, generation_inputs
@@ -297,13 +297,11 @@ class PPOTrainer(TrainingLoop):
     def _check_mismatch(self, batch: DataProto) -> None:
         """At the first step: the rollout's log-probs against the actor's forward in training and eval mode
         (`actor.mismatch_check`, `trainer/mismatch_guard.py`)."""
-        self.mismatch_checked, b = True, batch.batch
-        if self.config.actor.mismatch_check == "off" or "rollout_log_probs" not in b:
+        self.mismatch_checked = True
+        if self.config.actor.mismatch_check == "off" or "rollout_log_probs" not in batch.batch:
             return
-        out = self.actor_rollout.compute_mismatch_log_probs(batch)
-        train, evaluated = out.batch["train_log_prob"], out.batch["eval_log_prob"]
-        mismatch = measure(b["rollout_log_probs"], train, evaluated, b["response_mask"])
-        check(mismatch, self.family, out.meta_info["fast_paths"], self.config)
+        forwards = self.actor_rollout.compute_mismatch_log_probs(batch)
+        check(measure_forwards(batch, forwards), self.family, forwards.meta_info["fast_paths"], self.config)
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm
