@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from test_checkpoint import break_after
+from test_rollout import actor_group, prompts
 
 from ketch.config import ConfigError, load_config
 from ketch.config.partial import describe_partial_rollouts
@@ -230,3 +231,21 @@ def test_a_checkpoints_buffer_of_another_group_size_is_refused_naming_the_keys(t
     PartialRollouts(tiny_config(*PARTIAL), pad_token_id=0).load(tmp_path / PARTIAL_FILE)
     with pytest.raises(ValueError, match=r"another rollout.n or data.max_response_length than this run's \(3, 8\)"):
         PartialRollouts(tiny_config(*PARTIAL, "rollout.n=3"), pad_token_id=0).load(tmp_path / PARTIAL_FILE)
+
+
+def test_the_static_decoder_stops_at_a_rounds_tokens_as_generate_does(tiny_config):
+    # a round asks for 3 of the 12 tokens: both decodings give the same 3 greedy tokens, then padding
+    batch = prompts(tiny_config(), rows=4)
+    batch.meta_info |= {"do_sample": False, "max_new_tokens": 3}
+    outputs = {}
+    for decoding in ("generate", "static"):
+        group = actor_group(tiny_config("data.max_response_length=12", f"rollout.hf_decoding={decoding}"))
+        outputs[decoding] = group.generate_sequences(batch).batch
+    assert torch.equal(outputs["static"]["responses"], outputs["generate"]["responses"])
+    assert (outputs["static"]["responses"][:, 3:] == 0).all()
+    torch.testing.assert_close(
+        outputs["static"]["rollout_log_probs"][:, :3],
+        outputs["generate"]["rollout_log_probs"][:, :3],
+        atol=1e-5,
+        rtol=0,
+    )
