@@ -1,6 +1,6 @@
 """The smaller failures of issue 55, each said as it is: sizes in a unit that suits them, `ketch export` on a full
-disk with the fix, `ketch doctor` counting the shards of a data directory, and a second `ketch sft` in one run
-directory saying that it replaces the first one's steps."""
+disk with the fix, `ketch doctor` counting the shards of a data directory, and a second `ketch sft` (or a PPO run
+that starts again at step 1) in one run directory saying that it replaces the first one's steps."""
 
 from __future__ import annotations
 
@@ -65,3 +65,14 @@ def test_a_second_sft_run_in_one_directory_says_that_it_replaces_the_first_ones_
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [r["step"] for r in records if "event" not in r] == [1, 2]
     shutil.rmtree(run_dir)
+
+
+def test_a_ppo_run_that_starts_again_over_an_earlier_runs_steps_says_so(tiny_config, caplog):
+    PPOTrainer(tiny_config("trainer.total_steps=1")).fit()
+    again = PPOTrainer(tiny_config("trainer.total_steps=1", "trainer.resume_mode=disable"))
+    with caplog.at_level(logging.WARNING, logger="ketch"):
+        again.fit()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"{again.run_dir / 'metrics.jsonl'} holds steps up to 1 of an earlier run; trainer.resume_mode=disable, so "
+        "this run starts again at step 1 and replaces them (set another trainer.experiment_name to keep both)"
+    ]

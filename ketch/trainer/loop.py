@@ -31,7 +31,7 @@ from ketch.tracking import Tracker, info
 from ketch.trainer.checkpoint import CheckpointManager, due, read_trainer_state
 from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.oom_advice import out_of_memory_advice
-from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails
+from ketch.trainer.run_dir import owns_run_dir, removed_if_start_fails, warn_if_steps_replaced
 
 logger = logging.getLogger("ketch")
 
@@ -122,7 +122,7 @@ class TrainingLoop:
                 self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
                 self.failures = []
                 self.groups = self._build_groups()
-                self._resume(self.checkpoints.to_resume(c.trainer.resume_mode))
+                self._resume(self._checkpoint_to_resume())
             except BaseException:
                 if getattr(self, "groups", None) is not None:
                     self.groups.shutdown()
@@ -133,6 +133,16 @@ class TrainingLoop:
             f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
             f"{self.plan.sequences_per_step} samples"
         )
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint `trainer.resume_mode` names; a start from step 1 over an earlier run's steps says that it
+        replaces them."""
+        mode = self.config.trainer.resume_mode
+        checkpoint = self.checkpoints.to_resume(mode)
+        if checkpoint is None:
+            why = "trainer.resume_mode=disable" if mode == "disable" else "it holds no checkpoint to resume from"
+            warn_if_steps_replaced(self.run_dir, why)
+        return checkpoint
 
     def _resume(self, checkpoint: Path | None) -> None:
         """Restore every part of the run from `checkpoint`, or start fresh when it is None."""
