@@ -13,17 +13,13 @@ architecture matrix test (`tests/test_architectures.py`).
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 from dataclasses import dataclass
 from functools import cache
-from types import MethodType
 from typing import Any
 
 import torch
 from torch import nn
-
-logger = logging.getLogger("ketch.engine")
 
 
 @dataclass(frozen=True)
@@ -248,14 +244,15 @@ class RandomForwardError(ValueError):
     """A model whose training-mode forward is random after ketch turned its dropout and noise off."""
 
 
-def disable_dropout(model: nn.Module) -> None:
+def disable_dropout(model: nn.Module) -> list[nn.Module]:
     """Make `model`'s training-mode forward compute what its eval-mode forward computes, which the rollout samples
     from: the update must differentiate the distribution the tokens came from.
 
     Names alone miss some (GPT-BigCode's `attn_pdrop`, Seed-OSS's residual dropout kept as a number, PhiMoE's router,
     which samples its experts while training), so what the model computes decides, not a list of names:
     1. the modules whose own forward reads their training flag (attention modules for their dropout, routers with
-       jitter, PhiMoE's sampling router) stay in eval mode (`_pin_to_eval`), but for the decoder blocks, whose flag
+       jitter, PhiMoE's sampling router) stay in eval mode (`eval_only_modules`; returned, for the caller to pass to
+       `keep_in_eval` after each `train()`), but for the decoder blocks, whose flag
        transformers' gradient checkpointing reads: eval mode for the whole model would turn it off;
     2. in the blocks, the float attributes whose names say dropout or noise (`NOISE_FIELD`: OPT's `dropout`, BLOOM's
        `hidden_dropout`) are set to 0, as are all `nn.Dropout` rates; where the eval-mode logits then change, such a
@@ -265,12 +262,12 @@ def disable_dropout(model: nn.Module) -> None:
        model is loaded, about the cost of decoding 24 tokens) must give the eval-mode logits from before; a model
        still random raises `RandomForwardError`."""
     reference = _logits(model, training=False)
-    pinned = _pin_to_eval(model)
+    pinned = eval_only_modules(model)
     changed = _zero_block_noise(model)
     if (_logits(model, training=False) - reference).abs().max().item() > _same_logits_tolerance(model):
         for target, name, value in changed:
             setattr(target, name, value)
-    gap = max((_logits(model, training) - reference).abs().max().item() for training in (True, True, False))
+    gap = max((_logits(model, mode, pinned) - reference).abs().max().item() for mode in (True, True, False))
     if gap > _same_logits_tolerance(model):
         raise RandomForwardError(
             f"{type(model).__name__} (model_type={model.config.model_type!r}) computes other logits in each "
@@ -279,7 +276,7 @@ def disable_dropout(model: nn.Module) -> None:
             "another distribution than the rollout samples; turn the model's randomness off in its config "
             "(model.override_config)"
         )
-    logger.debug("%s: %s kept in eval mode while training", type(model).__name__, pinned)
+    return pinned
 
 
 def _zero_block_noise(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
@@ -300,12 +297,13 @@ def _zero_block_noise(model: nn.Module) -> list[tuple[nn.Module, str, float]]:
     return changed
 
 
-def _logits(model: nn.Module, training: bool) -> torch.Tensor:
-    """`model`'s logits `[1, 8, vocab]` (float32) of 8 fixed tokens in training or eval mode, without gradients; the
-    model's mode is left as it was."""
+def _logits(model: nn.Module, training: bool, eval_only: list[nn.Module] = ()) -> torch.Tensor:
+    """`model`'s logits `[1, 8, vocab]` (float32) of 8 fixed tokens in training mode (`eval_only` kept in eval mode)
+    or in eval mode, without gradients; the model's mode is left as it was."""
     was_training, device = model.training, next(model.parameters()).device
     tokens = torch.arange(1, 9, device=device)[None] % model.config.get_text_config().vocab_size
     model.train(training)
+    keep_in_eval(eval_only)
     with torch.no_grad():
         logits = model(input_ids=tokens).logits.float()
     model.train(was_training)
@@ -318,27 +316,23 @@ def _same_logits_tolerance(model: nn.Module) -> float:
     return 1e-4 if next(model.parameters()).dtype == torch.float32 else 1e-2
 
 
-def _pin_to_eval(model: nn.Module) -> list[str]:
-    """Keep in eval mode, whatever `train()` is called with, the modules of `model` whose own `forward` reads their
-    training flag, but for the decoder blocks (transformers' gradient checkpointing reads theirs); their children
-    follow `train()`. Returns the class names of the modules kept in eval mode."""
+def eval_only_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` whose own `forward` reads their training flag, but for the decoder blocks (transformers'
+    gradient checkpointing reads theirs): the ones to keep in eval mode while the model trains (`keep_in_eval`)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    pinned = []
-    for module in model.modules():
-        if _reads_training_flag(type(module)) and not isinstance(module, GradientCheckpointingLayer):
-            module.train = MethodType(_train_in_eval_mode, module)
-            module.training = False
-            pinned.append(type(module).__name__)
-    return sorted(set(pinned))
+    return [
+        module
+        for module in model.modules()
+        if _reads_training_flag(type(module)) and not isinstance(module, GradientCheckpointingLayer)
+    ]
 
 
-def _train_in_eval_mode(self: nn.Module, mode: bool = True) -> nn.Module:
-    """`nn.Module.train` of a module kept in eval mode: its children follow `mode`, it stays in eval mode."""
-    self.training = False
-    for child in self.children():
-        child.train(mode)
-    return self
+def keep_in_eval(modules: list[nn.Module]) -> None:
+    """Put `modules` back in eval mode (after a `train()` of a model that holds them; their children keep theirs). The
+    flag is set on each module, not by a method of its own, so that compiled blocks save their guards."""
+    for module in modules:
+        module.training = False
 
 
 @cache

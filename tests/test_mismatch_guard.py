@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ketch.architecture import RandomForwardError, disable_dropout
+from ketch.architecture import RandomForwardError, disable_dropout, keep_in_eval
 from ketch.data import build_char_tokenizer
 from ketch.models import build_tiny_model
 from ketch.trainer.mismatch_guard import RolloutMismatchError, measure
@@ -53,7 +53,7 @@ MESSAGE = re.compile(
 def test_a_model_whose_dropout_stays_on_stops_at_the_first_step(tiny_config, dropout_model_dir, monkeypatch):
     """With ketch's dropout removal kept from running, the update's training-mode forward drops attention weights:
     the run stops before its first update, naming the family, the gap, the token and the model as the side."""
-    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: None)
+    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: [])
     with pytest.raises(RolloutMismatchError) as failure:
         _first_step(tiny_config, dropout_model_dir)
     found = MESSAGE.fullmatch(str(failure.value))
@@ -63,7 +63,7 @@ def test_a_model_whose_dropout_stays_on_stops_at_the_first_step(tiny_config, dro
 
 
 def test_warn_logs_the_mismatch_and_trains_on(tiny_config, dropout_model_dir, monkeypatch, caplog):
-    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: None)
+    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: [])
     with caplog.at_level(logging.WARNING, logger="ketch"):
         metrics = _first_step(tiny_config, dropout_model_dir, "actor.mismatch_check=warn")
     assert [bool(MESSAGE.fullmatch(r.getMessage())) for r in caplog.records if "first step" in r.getMessage()] == [True]
@@ -104,8 +104,9 @@ def test_a_module_random_in_training_mode_under_any_name_stays_in_eval_mode_whil
     blocks (whose flag transformers' gradient checkpointing reads) train; two training-mode forwards then agree."""
     model = build_tiny_model(build_char_tokenizer(), hidden_size=32, intermediate_size=64, num_layers=2)
     model.model.norm = torch.nn.Sequential(model.model.norm, _Noisy())
-    disable_dropout(model)
+    eval_only = disable_dropout(model)
     model.train()
+    keep_in_eval(eval_only)
     assert not model.model.norm[1].training and model.model.layers[0].training and model.model.norm.training
     tokens = torch.arange(1, 9)[None]
     torch.testing.assert_close(model(input_ids=tokens).logits, model(input_ids=tokens).logits, atol=0, rtol=0)
@@ -123,9 +124,10 @@ def test_a_noise_rate_that_the_eval_mode_computes_with_is_kept():
     for layer in model.model.layers:  # experts 0 and 1 within 1% of each other: inside the jitter's margin of 2%
         layer.mlp.router.weight.data[1] = layer.mlp.router.weight.data[0] * 1.01
     before = model.eval()(input_ids=torch.arange(1, 9)[None]).logits
-    disable_dropout(model)
+    eval_only = disable_dropout(model)
     assert model.config.router_jitter_noise == 0.01
     model.train()
+    keep_in_eval(eval_only)
     assert not model.model.layers[0].mlp.router.training
     torch.testing.assert_close(model(input_ids=torch.arange(1, 9)[None]).logits, before, atol=0, rtol=0)
 
@@ -152,6 +154,6 @@ def test_the_doctors_check_on_two_prompts(tiny_config, dropout_model_dir, monkey
 
     mismatch, message = check_two_prompts(tiny_config(f"model.path={dropout_model_dir}"))
     assert mismatch.largest < 1e-5 and message is None
-    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: None)
+    monkeypatch.setattr("ketch.engine.heads.disable_dropout", lambda model: [])
     mismatch, message = check_two_prompts(tiny_config(f"model.path={dropout_model_dir}"))
     assert mismatch.largest > 1e-3 and MESSAGE.fullmatch(message), message

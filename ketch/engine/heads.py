@@ -20,18 +20,30 @@ import torch
 from torch import nn
 
 from ketch.algorithms.router import load_balancing_loss
-from ketch.architecture import decoder, disable_dropout, logit_transform, router, router_outputs
+from ketch.architecture import decoder, disable_dropout, keep_in_eval, logit_transform, router, router_outputs
 from ketch.engine.log_probs import token_log_probs
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 from ketch.engine.sequence_parallel import sharded_states
 
 
-class PolicyModel(nn.Module):
+class _Deterministic(nn.Module):
+    """A head whose model computes in training mode what it computes in eval mode (`disable_dropout`): the modules in
+    `eval_only` stay in eval mode whatever `train()` is called with."""
+
+    eval_only: list[nn.Module]
+
+    def train(self, mode: bool = True) -> _Deterministic:
+        super().train(mode)
+        keep_in_eval(self.eval_only)
+        return self
+
+
+class PolicyModel(_Deterministic):
     """A causal LM that returns log-probs (and entropy) of given response tokens."""
 
     def __init__(self, lm: nn.Module, packed: bool = False):
         super().__init__()
-        disable_dropout(lm)
+        self.eval_only = disable_dropout(lm)
         self.lm, self.packed, self.sequence_parallel = lm, packs(lm, packed), None
         self.transform, self.router_logits = logit_transform(lm.config), []
         routers = router_outputs(lm)
@@ -100,12 +112,12 @@ def _record(records: list[torch.Tensor], index: int, _module, _inputs, output) -
     records.append(output[index] if isinstance(output, tuple) else output)
 
 
-class ValueModel(nn.Module):
+class ValueModel(_Deterministic):
     """A backbone with a scalar head (`*ForTokenClassification`, one label) that returns per-token values."""
 
     def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
-        disable_dropout(critic)
+        self.eval_only = disable_dropout(critic)
         self.critic, self.packed, self.sequence_parallel = critic, packs(critic, packed), None
         # the head stays reachable only through `critic`: a second reference would duplicate its state-dict keys
         self.head_name = next(
@@ -138,7 +150,7 @@ class ValueModel(nn.Module):
         return {"values": values.float().clone()}
 
 
-class ScoreModel(nn.Module):
+class ScoreModel(_Deterministic):
     """A backbone with a scalar head (`*ForSequenceClassification`, one label, head named `score`) that returns
     one score per sequence, read from the hidden state of its last token with attention_mask 1. The
     position comes from the mask, not from the model's pad-token rule, so it is right for left-padded
@@ -151,7 +163,7 @@ class ScoreModel(nn.Module):
                 f"{type(reward_model).__name__} has no linear `score` head; a reward model must be a "
                 "*ForSequenceClassification model of a decoder architecture (Llama, Qwen2, Mistral, GPT-2, ...)"
             )
-        disable_dropout(reward_model)
+        self.eval_only = disable_dropout(reward_model)
         self.reward_model, self.packed = reward_model, packs(reward_model, packed)
         if self.packed:
             use_packed_attention(reward_model)
