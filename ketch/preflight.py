@@ -59,7 +59,7 @@ def preflight(config: KetchConfig, required: Mapping[str, str], scored: bool = F
     `scored` (PPO) `UnknownDataSourceError` for a data source that no registered scorer scores, and an error for a
     tools or environment file that does not load."""
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
-    if owner := holder(run_dir):
+    if (owner := holder(run_dir)) is not None:
         raise RunDirBusyError(busy_message(run_dir, owner))
     rows = (output_dir_row(run_dir), resume_row(config), cache_row(), vllm_row(config), attention_row(config))
     failed = [f"{r.detail}: {r.fix}" for r in rows if r.status == "FAIL"]
@@ -139,7 +139,7 @@ def resume_row(config: KetchConfig) -> Check:
 
 def run_dir_row(run_dir: Path) -> Check:
     """Whether another run holds `run_dir` (its lock, `ketch/trainer/run_dir.py`)."""
-    if owner := holder(run_dir):
+    if (owner := holder(run_dir)) is not None:
         detail, fix = busy_message(run_dir, owner).split("; ", 1)
         return Check("run dir", "FAIL", detail, fix)
     state = "an earlier run's, not in use" if (run_dir / "config.json").is_file() else "no run there yet"

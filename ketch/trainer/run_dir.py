@@ -38,8 +38,9 @@ class RunDirBusyError(RuntimeError):
 
 
 def holder(run_dir: Path) -> dict[str, Any] | None:
-    """Who holds the lock of `run_dir` (`host`, `pid`, `command`, `since`), or None when no process does. It takes
-    the lock for an instant to find out, so a run starting at the same moment may see it busy."""
+    """Who holds the lock of `run_dir` (`host`, `pid`, `command`, `since`; `{}` before the holder wrote them), or
+    None when no process does. It takes the lock for an instant to find out, which a run starting at that moment
+    waits out (`PROBE_GRACE_S`)."""
     path = Path(run_dir) / LOCK_FILE
     if not path.is_file():
         return None
@@ -50,7 +51,7 @@ def holder(run_dir: Path) -> dict[str, Any] | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return _read_holder(fd)
+        return _read_holder(fd) or {}
     finally:
         os.close(fd)
     return None
