@@ -1,12 +1,13 @@
 """What a run checks before any model is built or warmed up, shared with `ketch doctor`: no other run holds the run
-directory, the output directory and the ketch cache directory can be written, and vLLM is installed in a supported
-version and imports when `rollout.name=vllm`; then the data files, the data sources that the registered scorers
-score, and the tools of a multi-turn rollout.
+directory, the output directory and the ketch cache directory can be written, the checkpoint that
+`trainer.resume_mode` names exists, vLLM is installed in a supported version and imports when `rollout.name=vllm`,
+and the attention kernel that `model.attn_implementation` names is installed; then the data files, the data sources
+that the registered scorers score, and the tools of a multi-turn rollout.
 
-Each directory and vLLM check is a `Check` row (the rows of the `ketch doctor` table); `preflight` turns the failed
-ones into one `StartupError`, and the data and tools raise their own errors. The trainers call it first thing, so
-a run that cannot work stops in seconds (before the built-in model's warm-up, minutes on a first run) and leaves
-nothing behind.
+Each directory, resume, vLLM and attention check is a `Check` row (the rows of the `ketch doctor` table);
+`preflight` turns the failed ones into one `StartupError`, another run's lock into `RunDirBusyError`, and the data
+and tools raise their own errors. The trainers call it first thing, so a run that cannot work stops in seconds
+(before the built-in model's warm-up, minutes on a first run) and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class Check:
 
 
 class StartupError(RuntimeError):
-    """A run cannot start here (an unwritable output or cache directory, a missing or broken vLLM); the message
-    says what to do."""
+    """A run cannot start here (an unwritable output or cache directory, a resume path that does not exist, a
+    missing or broken vLLM, a missing attention kernel); the message says what to do."""
 
 
 def preflight(config: KetchConfig, required: Mapping[str, str], scored: bool = False) -> None:
