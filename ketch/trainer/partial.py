@@ -59,9 +59,9 @@ class PartialRollouts:
         self, prompts: DataProto, step: int, generate: Generate, more_prompts: Callable[[], DataProto]
     ) -> tuple[DataProto, dict[str, float]]:
         """This step's batch of `data.train_batch_size` finished groups, as `Rollout.generate` gives a batch (with
-        the prompts' columns), and metrics. `prompts`: the step's prompts, expanded (`uid`, `rollout.n` rows
-        each); `more_prompts()` gives more when the buffer holds too few to fill the prompts in flight;
-        `generate(prompts)` samples responses."""
+        the prompts' columns, and `first_step` `[batch]`: the step of each trajectory's first token), and metrics.
+        `prompts`: the step's prompts, expanded (`uid`, `rollout.n` rows each); `more_prompts()` gives more when the
+        buffer holds too few to fill the prompts in flight; `generate(prompts)` samples responses."""
         self.before = (step - 1, self.rows)
         rows = self._add(self.rows, prompts)
         while len(rows) < self.in_flight * self.n:
@@ -173,12 +173,13 @@ class PartialRollouts:
         }
 
     def _as_rollout(self, batch: DataProto) -> DataProto:
-        """The finished groups as `Rollout.generate` returns a batch, with the prompts' non-tensor columns."""
+        """The finished groups as `Rollout.generate` returns a batch, with the prompts' non-tensor columns and
+        `first_step`."""
         b = batch.batch
         prompts = _left_padded(DataProto.from_dict({k: b[k] for k in PROMPT_KEYS}), self.pad_token_id)
         response_mask = (torch.arange(self.max_length) < b["response_length"].unsqueeze(-1)).long()
         out = assemble_sequences(prompts, b["responses"], response_mask)
-        out.batch["rollout_log_probs"] = b["rollout_log_probs"]
+        out.batch |= {"rollout_log_probs": b["rollout_log_probs"], "first_step": b["first_step"]}
         return out.union(batch.select(batch_keys=[], meta_keys=[]))
 
     # ----------------------------------------------------------------- checkpoints

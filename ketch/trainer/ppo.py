@@ -300,6 +300,11 @@ class PPOTrainer(TrainingLoop):
         self.mismatch_checked = True
         if self.config.actor.mismatch_check == "off" or "rollout_log_probs" not in batch.batch:
             return
+        if self.partial is not None:  # carried trajectories hold older weights' tokens: only those begun now count
+            batch = batch[batch.batch["first_step"] == self.step + 1]
+            if len(batch) == 0:  # every one carried (a resumed run's first step): the next step's are checked
+                self.mismatch_checked = False
+                return
         forwards = self.actor_rollout.compute_mismatch_log_probs(batch)
         check(measure_forwards(batch, forwards), self.family, forwards.meta_info["fast_paths"], self.config)
 
