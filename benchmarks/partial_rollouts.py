@@ -1,7 +1,8 @@
 """Is learning kept with partial rollouts? The built-in run (`ketch train` with no arguments: GRPO, 190 steps) against
 the same run with partial rollouts that carry at least a third of the trajectories to the next step (issue 49).
 
-    PYTHONPATH=. python3 benchmarks/partial_rollouts.py --out benchmarks/results/x.json [overrides of both runs ...]
+    PYTHONPATH=. python3 benchmarks/partial_rollouts.py --out benchmarks/results/x.json [--runs synchronous,partial]
+        [overrides of both runs ...]
 
 The partial run over-samples 1.5 x data.train_batch_size prompts and generates in rounds of `--round-tokens` tokens
 (8: the built-in answers `#### N` and their end token take 7 to 9), so the groups beyond the batch, finished or
@@ -61,20 +62,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--round-tokens", type=int, default=8, help="rollout.partial.round_tokens of the partial run")
+    parser.add_argument(
+        "--runs", default="synchronous,partial", help="which runs, comma-separated; they run one after the other"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides of both runs, as for ketch train")
     args = parser.parse_args()
     runs, start = run_dir("ketch-partial-rollouts-", empty_cache=False), time.perf_counter()
-    baseline = run("synchronous", runs, args.overrides)
-    partial = run("partial", runs, [*args.overrides, *PARTIAL, f"rollout.partial.round_tokens={args.round_tokens}"])
-    last = {name: list(r["val_acc"].values())[-1] for name, r in (("synchronous", baseline), ("partial", partial))}
-    result = {
-        "synchronous": baseline,
-        "partial": partial,
-        "final_val_acc": last,
-        "final_val_acc_gap": round(last["partial"] - last["synchronous"], 3),
-        "total_wall_s": round(time.perf_counter() - start, 1),
-        "load_average": [round(x, 2) for x in os.getloadavg()],
+    overrides = {
+        "synchronous": args.overrides,
+        "partial": [*args.overrides, *PARTIAL, f"rollout.partial.round_tokens={args.round_tokens}"],
     }
+    result = {name: run(name, runs, overrides[name]) for name in args.runs.split(",")}
+    result["final_val_acc"] = {name: list(r["val_acc"].values())[-1] for name, r in result.items()}
+    if len(result["final_val_acc"]) == 2:
+        result["final_val_acc_gap"] = round(
+            result["final_val_acc"]["partial"] - result["final_val_acc"]["synchronous"], 3
+        )
+    result["total_wall_s"] = round(time.perf_counter() - start, 1)
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     emit(result, args.out)
 
 
