@@ -12,7 +12,7 @@ import pytest
 from commands import ROOT, cli_error, ketch_env
 from transformers import AutoConfig
 
-from ketch.config import load_config
+from ketch.config import ConfigError, load_config
 from ketch.controller.errors import HOST_MEMORY_FIX
 from ketch.doctor import run_checks
 from ketch.doctor_config import host_memory_row
@@ -86,10 +86,12 @@ def test_lora_target_modules_without_a_rank_say_that_lora_is_off(capsys, tmp_pat
     message = start(capsys, tmp_path, task_files, "actor.lora.target_modules=[nonexistent_proj]")
     assert message == (
         "invalid configuration:\n  - actor.lora.target_modules=[nonexistent_proj] is set, but actor.lora.rank=0: "
-        "LoRA is off and every weight trains; set actor.lora.rank (e.g. 16) to train adapters on those layers, or "
-        "drop actor.lora.target_modules\n"
+        "LoRA is off and every weight trains; set actor.lora.rank (e.g. 16) to train adapters, or drop "
+        "actor.lora.target_modules\n"
     )
     assert doctor_row("config", "actor.lora.target_modules=[nonexistent_proj]").status == "FAIL"
+    with pytest.raises(ConfigError, match=r"critic.lora.alpha=16.0 is set, but critic.lora.rank=0: LoRA is off"):
+        load_config(overrides=["critic.lora.alpha=16"])
 
 
 def test_tools_without_multi_turn_say_that_the_rollout_is_single_turn(capsys, tmp_path, task_files):
@@ -99,6 +101,8 @@ def test_tools_without_multi_turn_say_that_the_rollout_is_single_turn(capsys, tm
         "false: the rollout is single-turn and never uses it; set rollout.multi_turn.enable=true (or drop it)\n"
     )
     assert doctor_row("config", "rollout.multi_turn.tools=[missing.py]").status == "FAIL"
+    with pytest.raises(ConfigError, match=r"rollout.multi_turn.max_turns=6 is set, but rollout.multi_turn.enable="):
+        load_config(overrides=["rollout.multi_turn.max_turns=6"])
 
 
 def test_sequence_parallel_over_cpu_workers_points_to_trainer_device_cpu(capsys, tmp_path, task_files):

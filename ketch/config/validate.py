@@ -236,19 +236,25 @@ def _multi_turn(c: KetchConfig) -> str | None:
     m = c.rollout.multi_turn
     if m.enable and not m.tools and not m.environment:
         return "rollout.multi_turn.enable=true needs rollout.multi_turn.tools (names or .py files) or .environment"
-    settings = {"tools": m.tools, "environment": m.environment}
-    given = [f"rollout.multi_turn.{k}={_listed(v)}" for k, v in settings.items() if v]
+    given = _given(m, MultiTurnConfig(), skip=("enable",))
     if given and not m.enable:
         return (
-            f"{given[0]} is set, but rollout.multi_turn.enable=false: the rollout is single-turn and never uses "
-            "it; set rollout.multi_turn.enable=true (or drop it)"
+            f"rollout.multi_turn.{given[0]} is set, but rollout.multi_turn.enable=false: the rollout is single-turn "
+            "and never uses it; set rollout.multi_turn.enable=true (or drop it)"
         )
     return None
 
 
-def _listed(value: Any) -> str:
-    """A config value as it is written on the command line: `[a,b]` for a list."""
-    return f"[{','.join(map(str, value))}]" if isinstance(value, list | tuple) else str(value)
+def _given(section: Any, default: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """`name=value` of each field of the dataclass `section` that differs from `default` (the same class with its
+    defaults), as written on the command line (`[a,b]` for a list); the fields in `skip` left out."""
+    given = []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.name not in skip and value != getattr(default, f.name):
+            shown = f"[{','.join(map(str, value))}]" if isinstance(value, list | tuple) else value
+            given.append(f"{f.name}={shown}")
+    return given
 
 
 def _betas(c: KetchConfig) -> str | None:
@@ -424,15 +430,13 @@ def _lora(c: KetchConfig) -> str | None:
     empty = [key for key, lora in sections.items() if not lora.target_modules]
     if empty:
         return f"{empty[0]}.target_modules is empty; give all-linear or names of linear layers, e.g. [q_proj, v_proj]"
-    default = LoraConfig().target_modules
-    unused = [key for key, lora in sections.items() if not lora.enabled and lora.target_modules != default]
-    if unused:
-        key = unused[0]
-        targets = _listed(sections[key].target_modules)
-        return (
-            f"{key}.target_modules={targets} is set, but {key}.rank=0: LoRA is off and every weight trains; set "
-            f"{key}.rank (e.g. 16) to train adapters on those layers, or drop {key}.target_modules"
-        )
+    for key, lora in sections.items():
+        given = _given(lora, LoraConfig(), skip=("rank", "adapter_path"))
+        if given and not lora.enabled:
+            return (
+                f"{key}.{given[0]} is set, but {key}.rank=0: LoRA is off and every weight trains; set {key}.rank "
+                f"(e.g. 16) to train adapters, or drop {key}.{given[0].split('=')[0]}"
+            )
     return None
 
 
