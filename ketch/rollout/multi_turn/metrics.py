@@ -51,20 +51,26 @@ class ToolFailureWatch:
             return
         calls, errors = float(np.sum(c["tool_calls"])), float(np.sum(c["tool_errors"]))
         if errors and not self.warned:
-            self.warned = True
-            logger.warning(
-                "a tool call failed at step %d: %s; the model reads the error as the tool's reply (multi_turn/"
-                "tool_error_rate counts the failures; a summary follows when more than %.0f%% of the calls of %d "
-                "steps fail)",
-                step,
-                first_error(c.get("messages")),
-                100 * self.threshold,
-                self.window,
-            )
+            self._warn_first(step, c.get("messages"))
         self.first_step = self.first_step if self.steps else step
         self.steps, self.calls, self.errors = self.steps + 1, self.calls + calls, self.errors + errors
-        if self.steps < self.window:
-            return
+        if self.steps == self.window:
+            self._summarise(step)
+
+    def _warn_first(self, step: int, messages: np.ndarray | None) -> None:
+        self.warned = True
+        logger.warning(
+            "a tool call failed at step %d: %s; the model reads the error as the tool's reply (multi_turn/"
+            "tool_error_rate counts the failures; a summary follows when more than %.0f%% of the calls of %d steps "
+            "fail)",
+            step,
+            first_error(messages),
+            100 * self.threshold,
+            self.window,
+        )
+
+    def _summarise(self, step: int) -> None:
+        """Warn when more than `threshold` of the window's calls failed; start the next window."""
         if self.errors > self.threshold * self.calls:
             logger.warning(
                 "tools failed in %d of %d calls (%.0f%%) in steps %d-%d: check the tools (rollout.multi_turn.tools) "
