@@ -166,10 +166,10 @@ class PPOTrainer(TrainingLoop):
             timings |= self.standalone.send_weights()
         timings["step"] = time.perf_counter() - step_start
         metrics |= kl_metrics | data_metrics(batch, self.config.data.max_response_length)
+        self.tool_failures(batch.non_tensor_batch, step)
         metrics |= {f"timing_s/{k}": v for k, v in timings.items()}
         metrics |= throughput_metrics(batch, timings["step"], self._devices())
         metrics["training/epoch"] = batch.meta_info["epoch"]
-        self.tool_failures(batch.non_tensor_batch, step)
         return metrics
 
     # ----------------------------------------------------------------- stages
