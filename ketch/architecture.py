@@ -429,6 +429,9 @@ def _keyword_problem(model: nn.Module) -> str | None:
     stops the forward at the first attention call (so only the embedding and one block's projections run)."""
     from transformers import AttentionInterface
 
+    blocks = decoder_blocks(model)
+    if blocks and hasattr(block_attention(blocks[0]), "qkv_weight"):
+        return None  # fused by the static decoder (`fused_projections.py`): its own forward passes them on
     AttentionInterface.register(PROBE, _probe_attention)
     before, device = model.config._attn_implementation, next(model.parameters()).device
     model.set_attn_implementation(PROBE)

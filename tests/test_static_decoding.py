@@ -83,6 +83,32 @@ def test_rows_left_unfinished_move_into_a_smaller_shape_and_keep_their_log_probs
     assert default.caches[(8, 128)].fronts == {}
 
 
+def test_a_partial_rollouts_rounds_decode_in_the_runs_one_shape_as_one_call_would(tiny_model_dir):
+    """Partial rollouts continue a trajectory from its prompt and response so far: with `longest_prompt=60` (a
+    cache of 64 prompt slots and 64 new tokens), 64 greedy tokens decoded in rounds of 24, 24 and 16 from prompts of
+    20, 44 and 68 tokens (longer than the longest prompt, padded only as far as the shape holds) all run in the one
+    shape of 4 rows x 128 slots, and give the tokens and log-probs of one call of 64."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+
+    model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
+    input_ids = torch.randint(4, 40, (3, 20), generator=torch.Generator().manual_seed(5))
+    greedy = (Sampling(do_sample=False), None)
+    decoder = StaticDecoder(model, compile_step=False, buckets=True, longest_prompt=60)
+    whole, whole_log_probs = decoder.generate(input_ids, torch.ones_like(input_ids), 64, *greedy, pad_token_id=0)
+    prompt, rounds = input_ids, []
+    for tokens in (24, 24, 16):
+        out, log_probs = decoder.generate(
+            prompt, torch.ones_like(prompt), 64, *greedy, pad_token_id=0, stop_after=tokens
+        )
+        assert (out[:, tokens:] == 0).all() and (log_probs[:, tokens:] == 0).all()
+        rounds.append((out[:, :tokens], log_probs[:, :tokens]))
+        prompt = torch.cat([prompt, out[:, :tokens]], 1)
+    assert list(decoder.caches) == [(4, 128)]
+    assert torch.equal(torch.cat([r[0] for r in rounds], 1), whole)
+    torch.testing.assert_close(torch.cat([r[1] for r in rounds], 1), whole_log_probs, atol=1e-5, rtol=0)
+
+
 def greedy_case(tiny_model_dir):
     from ketch.models import load_causal_lm
 

@@ -323,13 +323,17 @@ class StaticDecoder:
         decodes every row to the full length. With `buckets`, the batch runs padded to the next power of two
         rows and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a few compiled shapes
         serve every batch; the padding rows are dropped from the result. `stop_after` decodes only that many
-        tokens (the rest are `pad_token_id`) in the shape of `max_new_tokens`: a warm-up."""
+        tokens (the rest are `pad_token_id`) in the shape of `max_new_tokens`: a warm-up, or a partial rollout's
+        round, whose prompts may be longer than the longest prompt (see `_length`)."""
         rows, prompt_len = input_ids.shape
         args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
         if not self.buckets:
             return self._generate(input_ids, attention_mask, *args)
         extra_rows = (1 << (rows - 1).bit_length()) - rows
         extra_len = -prompt_len % PROMPT_BUCKET
+        room = self.longest_prompt + max_new_tokens - min(max_new_tokens, stop_after or max_new_tokens) - prompt_len
+        if prompt_len > self.longest_prompt and room >= 0:  # a continuation: padded no further than the shape holds
+            extra_len = min(extra_len, room)
         input_ids = nn.functional.pad(input_ids, (extra_len, 0, 0, extra_rows), value=pad_token_id)
         attention_mask = nn.functional.pad(attention_mask, (extra_len, 0, 0, extra_rows))
         attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
@@ -350,7 +354,8 @@ class StaticDecoder:
         """`generate` on a batch as it is; rows from `active_rows` on count as finished from the start."""
         batch, prompt_len = input_ids.shape
         device = input_ids.device
-        shape = (batch, max(prompt_len, self.longest_prompt) + max_new_tokens)
+        decoded = min(max_new_tokens, stop_after or max_new_tokens)
+        shape = (batch, self._length(prompt_len, max_new_tokens, decoded))
         timed = self.compiled and shape not in self.seen  # a shape's first decode is logged, with its prompt's part
         start = time.perf_counter()
         b = self._buffers(*shape, device)
@@ -363,14 +368,14 @@ class StaticDecoder:
         self._record(b, logits, sampling, is_stop, pad_token_id)
         root, rows = b, torch.arange(batch, device=device)  # rows: the batch's row in each row of `b`
         out = (b.responses, b.log_probs)
-        for t in range(1, min(max_new_tokens, stop_after or max_new_tokens)):
+        for t in range(1, decoded):
             if t % CHECK_EVERY == 0:
                 unfinished = (~b.done).nonzero().squeeze(1)
                 if len(unfinished) == 0:
                     break
                 slots = prompt_len + t - 1 + CHECK_EVERY  # the next check comes before any row writes slot `slots`
                 b.provide(unfinished.tolist(), slots)
-                if self._compacts(len(unfinished), len(b.done), max_new_tokens - t):
+                if self._compacts(len(unfinished), len(b.done), decoded - t):
                     out = self._save_rows(b, rows, out)
                     b, rows = self._compact(root, b, unfinished), rows[unfinished]
             self._decode(b, sampling, is_stop, pad_token_id)
@@ -385,7 +390,23 @@ class StaticDecoder:
             )
         self.seen.add(shape)
         end = prompt_len + max_new_tokens
-        return out[0][:, prompt_len:end].clone(), out[1][:, prompt_len:end].clone()
+        tokens, log_probs = out[0][:, prompt_len:end].clone(), out[1][:, prompt_len:end].clone()
+        missing = max_new_tokens - tokens.shape[1]  # a continuation in the run's shape: the cache ends before
+        if missing:
+            tokens = nn.functional.pad(tokens, (0, missing), value=pad_token_id)
+            log_probs = nn.functional.pad(log_probs, (0, missing))
+        return tokens, log_probs
+
+    def _length(self, prompt_len: int, max_new_tokens: int, decoded: int) -> int:
+        """The KV cache length of a batch with prompts of `prompt_len` tokens that decodes `decoded` of its
+        `max_new_tokens` tokens: room for the prompt (with buckets, at least the longest prompt) and `max_new_tokens`,
+        except that a longer prompt which still leaves room for its `decoded` tokens in the shape of the longest
+        prompt takes that shape: a partial rollout's continuation (its prompt and response so far, decoding the
+        rest of its budget) decodes in the run's one shape instead of a new one each round."""
+        usual = self.longest_prompt + max_new_tokens
+        if self.buckets and prompt_len > self.longest_prompt and prompt_len + decoded <= usual:
+            return usual
+        return max(prompt_len, self.longest_prompt) + max_new_tokens
 
     def _compacts(self, unfinished: int, rows: int, remaining: int) -> bool:
         """Whether a batch of `rows` rows with `unfinished` rows left and up to `remaining` tokens to go compacts."""
