@@ -157,10 +157,13 @@ def _open_backends(
 
 
 def _truncate_jsonl(path: Path, step: int) -> None:
-    """Rewrite `path` without the records whose `step` is after `step` (records without a step, events, stay)."""
+    """Rewrite `path` without the records whose `step` is after `step` (records without a step, events, stay), and
+    without a last line cut short by a killed run (the next record would be appended to it)."""
     if not path.exists():
         return
     lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if lines and not _parses(lines[-1]):
+        lines.pop()
     kept = [line for line in lines if json.loads(line).get("step", -1) <= step or "event" in json.loads(line)]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(f"{line}\n" for line in kept))
@@ -190,6 +193,14 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

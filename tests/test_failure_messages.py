@@ -68,11 +68,18 @@ def test_a_second_sft_run_in_one_directory_says_that_it_replaces_the_first_ones_
 
 
 def test_a_ppo_run_that_starts_again_over_an_earlier_runs_steps_says_so(tiny_config, caplog):
-    PPOTrainer(tiny_config("trainer.total_steps=1")).fit()
+    """The earlier run's `metrics.jsonl`: three steps and an event, the last line cut short by a kill."""
     again = PPOTrainer(tiny_config("trainer.total_steps=1", "trainer.resume_mode=disable"))
+    again.run_dir.mkdir(parents=True)
+    earlier = [{"step": 1, "actor/pg_loss": 0.1}, {"step": 2}, {"event": "checkpoint", "step": 2}, {"step": 3}]
+    (again.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"step": 4, "a')
     with caplog.at_level(logging.WARNING, logger="ketch"):
         again.fit()
+    metrics = again.run_dir / "metrics.jsonl"
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        f"{again.run_dir / 'metrics.jsonl'} holds steps up to 1 of an earlier run; trainer.resume_mode=disable, so "
-        "this run starts again at step 1 and replaces them (set another trainer.experiment_name to keep both)"
+        f"{metrics}: the last line is incomplete (the run stopped while writing it); skipped",
+        f"{metrics} holds steps up to 3 of an earlier run; trainer.resume_mode=disable, so this run starts again at "
+        "step 1 and replaces them (set another trainer.experiment_name to keep both)",
     ]
+    records = [json.loads(line) for line in metrics.open()]  # the cut line is gone, not glued to the next record
+    assert [r["step"] for r in records if "event" not in r] == [1]

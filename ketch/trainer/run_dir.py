@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ketch.tracking import read_metrics
+
 LOCK_FILE = "run.lock"
 """The file in a run directory that the run holding it locks."""
 PROBE_GRACE_S = 0.5
@@ -141,9 +143,7 @@ def warn_if_steps_replaced(run_dir: Path, why: str) -> None:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return
-    with path.open() as lines:
-        steps = [_json_or_none(line) for line in lines]
-    last = max((r["step"] for r in steps if r and isinstance(r.get("step"), int)), default=0)
+    last = max((r["step"] for r in read_metrics(path) if isinstance(r.get("step"), int)), default=0)
     if last:
         logger.warning(
             "%s holds steps up to %d of an earlier run; %s, so this run starts again at step 1 and replaces them "
@@ -152,14 +152,6 @@ def warn_if_steps_replaced(run_dir: Path, why: str) -> None:
             last,
             why,
         )
-
-
-def _json_or_none(line: str) -> dict | None:
-    """A record of `metrics.jsonl`; None for a line cut short (a killed run's last) or blank."""
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
 
 
 def _locked(fd: int, grace: float) -> bool:
