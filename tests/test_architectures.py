@@ -2,7 +2,10 @@
 sliding windows of 8 tokens where the family has them, 4 experts where it has a router) through the GPU's code
 paths on the CPU: packed against padded training forwards, the training head against the model's own logits,
 the static decoder (its blocks compiled) against `generate`, and two GRPO steps with packing and static decoding
-forced on. Families that a path does not cover take the other one, said once in an INFO line."""
+forced on. Families that a path does not cover take the other one, said once in an INFO line. Several keep
+randomness in their configs (GPT-2's, GPT-BigCode's, OPT's, XGLM's and Seed-OSS's dropout, PhiMoE's router): the GRPO
+rows pass the first step's mismatch check (`actor.mismatch_check=error`) and keep the rollout's log-probs within 1e-5
+of the training forward's."""
 
 from __future__ import annotations
 
