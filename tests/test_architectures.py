@@ -17,7 +17,7 @@ import pytest
 import torch
 from greedy import generate_greedy
 
-from ketch.architecture import FAMILIES, router, static_decoding_problem
+from ketch.architecture import FAMILIES, packing_problem, router, static_decoding_problem
 from ketch.data import build_char_tokenizer
 from ketch.engine.engine import compile_blocks, compiles
 from ketch.engine.heads import PolicyModel
@@ -287,3 +287,16 @@ def test_router_outputs_read_each_form_of_transformers_record():
     # Jamba's: every nn.Linear named `gate` (not the other linear layers), index 0
     assert found(OutputRecorder(torch.nn.Linear, layer_name="gate")) == [("layers.0.gate", 0), ("layers.1.gate", 0)]
     assert router_outputs(torch.nn.Linear(2, 2)) == []
+
+
+def test_a_model_without_weights_gets_the_same_answers_as_the_loaded_one():
+    """`ketch doctor` asks about a model on the meta device: the probe of keyword arguments runs there too (GPT-2's
+    forward stops before its attention without weights, and counts as passing them on, as it does when loaded)."""
+    from ketch.doctor_config import meta_model
+    from ketch.models.tiny import tiny_family_config
+
+    tokenizer = build_char_tokenizer()
+    for model_type in sorted(FAMILIES):
+        model = meta_model(tiny_family_config(model_type, tokenizer), False)
+        assert packing_problem(model) == NOT_PACKED.get(model_type), model_type
+        assert static_decoding_problem(model) == NOT_STATIC.get(model_type), model_type
