@@ -26,11 +26,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.tracking import TrackerError
     from ketch.trainer.checkpoint import CheckpointError
     from ketch.trainer.loop import RunFailedError
+    from ketch.trainer.mismatch_guard import RolloutMismatchError
     from ketch.trainer.run_dir import RunDirBusyError
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError, ToolError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
-    run_errors += (CheckpointError, ExportError, StartupError, RunDirBusyError)
+    run_errors += (CheckpointError, ExportError, StartupError, RunDirBusyError, RolloutMismatchError)
     return (*USER_ERRORS, *data_errors, *run_errors)
 
 
