@@ -13,7 +13,7 @@ grep -q " failed\| error" "$OUT/logs/gpu_tests.log" && exit 1
 stage floor 150 python3 benchmarks/decode_step.py --rows 1 4 --skip-generation --floor --long-step 32768 \
     --profile "$OUT/profiles" --out "$OUT/decode_floor.json"
 for length in "${@:-32768}"; do
-    stage "grpo_$length" 400 python3 benchmarks/rl_step.py --variant grpo --prompts 16 --n 4 --workload variable \
+    stage "grpo_$length" 330 python3 benchmarks/rl_step.py --variant grpo --prompts 16 --n 4 --workload variable \
         --response-length "$length" --warmup 1 --steps 1 --set model.gradient_checkpointing=true \
         --out "$OUT/ketch_grpo_0.5b_response$length.json"
 done
