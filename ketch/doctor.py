@@ -248,8 +248,10 @@ def _config_rows(config: KetchConfig) -> list[Check]:
         data_row,
         host_memory_row,
         memory_row,
+        mismatch_row,
         model_row,
         parallel_row,
+        partial_row,
         paths_row,
     )
 
@@ -264,7 +266,10 @@ def _config_rows(config: KetchConfig) -> list[Check]:
         memory_row(config, model_config, gpu_bytes),
         host_memory_row(config, model_config, available_host_memory()),
     )
-    return [model, train, val, batch_row(config, train_set), *(row for row in optional if row)]
+    rows = [model, train, val, batch_row(config, train_set), *(row for row in optional if row), partial_row(config)]
+    if all(row.status != "FAIL" for row in rows):  # a forward of the model on the data: where both load
+        rows.append(mismatch_row(config))
+    return rows
 
 
 # ----------------------------------------------------------------- output

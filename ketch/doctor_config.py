@@ -25,6 +25,7 @@ from ketch.config.parallel import (
     rollout_start_problems,
     sequence_parallel_problem,
 )
+from ketch.config.partial import describe_partial_rollouts
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.controller.errors import HOST_MEMORY_FIX
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
@@ -311,3 +312,31 @@ def available_host_memory() -> int | None:
         return None
     found = next((line.split()[1] for line in lines if line.startswith("MemAvailable:")), None)
     return int(found) * 1024 if found else None
+
+
+def partial_row(config: KetchConfig) -> Check:
+    """Whether partial rollouts are on and what bounds them (`rollout.partial`; a combination they cannot run with
+    is refused when the config loads)."""
+    return Check("partial rollouts", "ok", describe_partial_rollouts(config))
+
+
+def mismatch_row(config: KetchConfig) -> Check:
+    """The first step's check that the rollout samples from the model the update trains (`actor.mismatch_check`),
+    made on the first two prompts of the training data as a run makes it (`mismatch_guard.check_two_prompts`)."""
+    from ketch.controller.errors import describe
+    from ketch.trainer.mismatch_guard import check_two_prompts
+
+    name, mode = "rollout vs training", config.actor.mismatch_check
+    if mode == "off":
+        return Check(name, "ok", "not checked (actor.mismatch_check=off)")
+    try:
+        mismatch, message = check_two_prompts(config)
+    except Exception as err:  # the model or data rows above say why where they can
+        return Check(name, "warn", f"not checked: {describe(err)}", "fix the rows above first")
+    if message is None:
+        detail = (
+            f"two prompts sampled and scored: probabilities within {mismatch.largest:.1e} (mean {mismatch.mean:.1e})"
+        )
+        return Check(name, "ok", detail)
+    fix = "the run would stop at its first step" if mode == "error" else "the run would warn and train on"
+    return Check(name, "FAIL" if mode == "error" else "warn", message, fix)

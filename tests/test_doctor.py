@@ -52,7 +52,11 @@ def test_default_config_passes_on_this_machine(capsys):
         "data.train_files",
         "data.val_files",
         "batch sizes",
+        "partial rollouts",
+        "rollout vs training",
     ]
+    assert rows["partial rollouts"].detail.startswith("off: every step generates its prompts' responses to the end")
+    assert rows["rollout vs training"].detail.startswith("two prompts sampled and scored: probabilities within")
 
 
 def test_the_cache_row_counts_the_compiled_forms_and_names_those_of_other_torch_versions(tmp_path, monkeypatch):
@@ -131,6 +135,26 @@ def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
         "Qwen2ForCausalLM: training forwards padded (model.use_remove_padding is off on CPUs); rollout: generate "
         "(rollout.hf_decoding=auto, static on GPUs only); transformers attention: sdpa"
     )
+
+
+def test_partial_rollouts_row_says_what_bounds_them_and_the_mismatch_row_can_be_turned_off(tiny_model_dir, task_files):
+    rows = rows_by_name(
+        f"model.path={tiny_model_dir}",
+        f"data.train_files=[{task_files['train']}]",
+        f"data.val_files=[{task_files['val']}]",
+        "data.train_batch_size=16",
+        "rollout.n=2",
+        "rollout.partial.enable=true",
+        "rollout.partial.max_staleness=3",
+        "actor.rollout_is=token",
+        "actor.old_log_prob_from_rollout=false",
+        "actor.mismatch_check=off",
+    )
+    assert rows["partial rollouts"].detail.startswith(
+        "on: 24 prompts in flight for 16 a step (over_sample 1.5), rounds of 3 tokens a trajectory, a trajectory "
+        "spans at most 4 steps (max_staleness 3)"
+    )
+    assert rows["rollout vs training"].detail == "not checked (actor.mismatch_check=off)"
 
 
 def test_the_model_paths_row_names_the_path_of_each_kind_of_model_on_gpus(tmp_path):
