@@ -118,14 +118,14 @@ def test_a_model_directory_without_weights_fails(tiny_model_dir, tmp_path):
     assert rows_by_name(f"model.path={tmp_path / 'nothing'}")["model"].status == "FAIL"
 
 
+def local_rows(tiny_model_dir, task_files, *overrides: str) -> dict[str, object]:
+    """The rows for the tiny model on the small arithmetic task, 16 prompts x 2 samples a step."""
+    data = (f"data.train_files=[{task_files['train']}]", f"data.val_files=[{task_files['val']}]")
+    return rows_by_name(f"model.path={tiny_model_dir}", *data, "data.train_batch_size=16", "rollout.n=2", *overrides)
+
+
 def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
-    rows = rows_by_name(
-        f"model.path={tiny_model_dir}",
-        f"data.train_files=[{task_files['train']}]",
-        f"data.val_files=[{task_files['val']}]",
-        "data.train_batch_size=16",
-        "rollout.n=2",
-    )
+    rows = local_rows(tiny_model_dir, task_files)
     assert rows["model"].status == "ok" and "Qwen2ForCausalLM, 2 layers, hidden size 32" in rows["model"].detail
     assert rows["data.train_files"].detail == "256 prompts in 1 file(s); data_source: ketch/arithmetic"
     assert rows["data.val_files"].detail == "16 prompts in 1 file(s); data_source: ketch/arithmetic"
@@ -138,12 +138,9 @@ def test_local_model_data_and_batch_rows(tiny_model_dir, task_files):
 
 
 def test_partial_rollouts_row_says_what_bounds_them_and_the_mismatch_row_can_be_turned_off(tiny_model_dir, task_files):
-    rows = rows_by_name(
-        f"model.path={tiny_model_dir}",
-        f"data.train_files=[{task_files['train']}]",
-        f"data.val_files=[{task_files['val']}]",
-        "data.train_batch_size=16",
-        "rollout.n=2",
+    rows = local_rows(
+        tiny_model_dir,
+        task_files,
         "rollout.partial.enable=true",
         "rollout.partial.max_staleness=3",
         "actor.rollout_is=token",
