@@ -71,18 +71,11 @@ def decode_attention(
     if splits is None:
         sms = _sms(query.device.index or 0) if query.is_cuda else 1
         splits = split_count(rows, kv_heads, filled.shape[1], sms)
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    lse = out  # unused with one split
+    query, sizes = query.contiguous(), _sizes(group, head_dim)
+    out = lse = torch.empty_like(query)  # lse: unused with one split
     if splits > 1:
         out = query.new_empty(rows, kv_heads, splits, group, head_dim, dtype=torch.float32)
         lse = query.new_empty(rows, kv_heads, splits, group, dtype=torch.float32)
-    sizes = {
-        "GROUP": group,
-        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
-        "HEAD_DIM": head_dim,
-        "DIM_PAD": triton.next_power_of_2(head_dim),
-    }
     filled = filled.view(torch.uint8) if filled.dtype == torch.bool else filled
     _decode_attention[(rows, kv_heads, splits)](
         query,
@@ -110,6 +103,16 @@ def decode_attention(
     merged = torch.empty_like(query)
     _merge[(rows, kv_heads)](out, lse, merged, SPLITS=splits, **sizes)
     return merged
+
+
+def _sizes(group: int, head_dim: int) -> dict:
+    """The query heads of a key/value head and the head size, each as it is and padded to a power of two."""
+    return {
+        "GROUP": group,
+        "GROUP_PAD": max(16, triton.next_power_of_2(group)),
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": triton.next_power_of_2(head_dim),
+    }
 
 
 def _blocks(head_dim: int) -> dict:

@@ -389,20 +389,15 @@ class StaticDecoder:
                 prompt_s,
             )
         self.seen.add(shape)
-        end = prompt_len + max_new_tokens
-        tokens, log_probs = out[0][:, prompt_len:end].clone(), out[1][:, prompt_len:end].clone()
-        missing = max_new_tokens - tokens.shape[1]  # a continuation in the run's shape: the cache ends before
-        if missing:
-            tokens = nn.functional.pad(tokens, (0, missing), value=pad_token_id)
-            log_probs = nn.functional.pad(log_probs, (0, missing))
-        return tokens, log_probs
+        end = min(prompt_len + max_new_tokens, shape[1])  # a continuation's cache may end before its max_new_tokens
+        pad = (0, prompt_len + max_new_tokens - end)  # copies, whatever the padding: the buffers decode again
+        tokens = nn.functional.pad(out[0][:, prompt_len:end], pad, value=pad_token_id)
+        return tokens, nn.functional.pad(out[1][:, prompt_len:end], pad)
 
     def _length(self, prompt_len: int, max_new_tokens: int, decoded: int) -> int:
-        """The KV cache length of a batch with prompts of `prompt_len` tokens that decodes `decoded` of its
-        `max_new_tokens` tokens: room for the prompt (with buckets, at least the longest prompt) and `max_new_tokens`,
-        except that a longer prompt which still leaves room for its `decoded` tokens in the shape of the longest
-        prompt takes that shape: a partial rollout's continuation (its prompt and response so far, decoding the
-        rest of its budget) decodes in the run's one shape instead of a new one each round."""
+        """The KV cache length for prompts of `prompt_len` tokens decoding `decoded` of `max_new_tokens` tokens: room
+        for the prompt (with buckets, at least the longest) and `max_new_tokens`; a longer prompt with room for its
+        `decoded` tokens in the longest prompt's shape takes it (a partial rollout's continuation: one shape a run)."""
         usual = self.longest_prompt + max_new_tokens
         if self.buckets and prompt_len > self.longest_prompt and prompt_len + decoded <= usual:
             return usual
