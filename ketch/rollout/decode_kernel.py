@@ -44,6 +44,7 @@ def split_count(rows: int, kv_heads: int, length: int, sms: int) -> int:
 
 @cache
 def _sms(device_index: int) -> int:
+    """The SMs of CUDA device `device_index`."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -62,8 +63,9 @@ def decode_attention(
     pools `key`/`value` `[pages, kv_heads, page, head_dim]` under `table` `[rows, length / page]`, where `filled`
     `[rows, length]` (bool) and up to the slot `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in
     `query`'s dtype (zeros in rows whose table names no page). `blocks` overrides the launch settings of `_blocks`
-    (`BLOCK_N`, which must divide the page, `num_stages`, `num_warps`) and `splits` the split count of
-    `split_count` (what `benchmarks/decode_step.py --sweep` tries; on the CPU, under Triton's interpreter, 1)."""
+    (`BLOCK_N`, which must divide the page, `num_stages`, `num_warps`: what `benchmarks/decode_step.py --sweep`
+    tries) and `splits` the split count of `split_count` (`--floor` times one split against it; CPU tensors, under
+    Triton's interpreter, count as one SM)."""
     rows, kv_heads, group, head_dim = query.shape
     blocks = blocks or _blocks(head_dim)
     if key.shape[2] % blocks["BLOCK_N"]:
