@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.rollout import fused_projections
 from ketch.rollout.kv_pages import KVPages, as_pages
-from ketch.rollout.static_decoding import COMPACT_REMAINING, Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import COMPACT_REMAINING, StaticDecoder
 
 S = SCALES["full"]
 

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.engine.distributed import free_port
 from ketch.protocol import DataProto
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
 
 SCALES = {

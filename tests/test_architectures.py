@@ -149,7 +149,8 @@ def test_packed_and_compiled_forwards_give_the_padded_log_probs_entropy_and_grad
 def test_static_decoding_with_compiled_blocks_gives_the_greedy_tokens_of_generate(family_dir, model_type):
     """Left-padded prompts of 9, 4 and 1 tokens, 12 new tokens (past the sliding window), the decode blocks
     compiled by dynamo (`aot_eager`: no inductor code to build on a CPU)."""
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model = load_causal_lm(str(family_dir(model_type)), torch.float32).eval()
     assert static_decoding_problem(model) == NOT_STATIC.get(model_type)

@@ -21,7 +21,8 @@ from transformers import (
 
 from ketch.architecture import decoder_blocks
 from ketch.rollout.fused_projections import fuse_projections
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 
 SIZES = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8

@@ -65,7 +65,8 @@ def test_decoding_through_a_pool_that_grows_gives_the_same_tokens_and_log_probs(
     pool with room for every row's whole length; the same tokens and log-probs, those of a fresh forward of each
     sequence, and the grown pool ends smaller than the whole length's."""
     from ketch.models import load_causal_lm
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model, reference = (load_causal_lm(str(tiny_model_dir), torch.float32).eval() for _ in range(2))
     input_ids = torch.randint(4, 60, (8, 6), generator=torch.Generator().manual_seed(0))

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ketch.architecture import RandomForwardError, disable_dropout, keep_in_eval
 from ketch.data import build_char_tokenizer
+from ketch.determinism import RandomForwardError, disable_dropout, keep_in_eval
 from ketch.models import build_tiny_model
 from ketch.trainer.mismatch_guard import RolloutMismatchError, measure
 from ketch.trainer.ppo import PPOTrainer

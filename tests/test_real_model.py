@@ -191,7 +191,8 @@ def test_static_decoding_with_fused_projections_decodes_as_generate(smollm2_dir)
     and attends with its own op; on the two chat prompts (left-padded) its greedy tokens and their log-probs are
     transformers' `generate`'s."""
     from ketch.models import load_causal_lm
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     tokenizer = load_tokenizer(str(smollm2_dir))
     tokenizer.padding_side = "left"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ketch.rollout.static_decoding import Sampling
+from ketch.rollout.sampling import Sampling
 
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
 

@@ -36,7 +36,8 @@ def test_grouped_decode_attention_over_pages_matches_sdpa_with_repeated_kv_heads
 def test_shape_buckets_give_the_same_greedy_tokens_and_log_probs(tiny_model_dir):
     """3 ragged prompts of 5 tokens decode padded to 4 rows x 64 prompt tokens exactly as unpadded."""
     from ketch.models import load_causal_lm
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
     g = torch.Generator().manual_seed(3)
@@ -59,7 +60,8 @@ def test_rows_left_unfinished_move_into_a_smaller_shape_and_keep_their_log_probs
     log-probs a fresh forward of the whole sequence gives them, and the pad token follows. With the default
     (`COMPACT_REMAINING`, 512 tokens) 64-token responses never compact."""
     from ketch.models import load_causal_lm
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model, reference = (load_causal_lm(str(tiny_model_dir), torch.float32).eval() for _ in range(2))
     input_ids = torch.randint(4, 60, (8, 6), generator=torch.Generator().manual_seed(0))
@@ -89,7 +91,8 @@ def test_a_partial_rollouts_rounds_decode_in_the_runs_one_shape_as_one_call_woul
     20, 44 and 68 tokens (longer than the longest prompt, padded only as far as the shape holds) all run in the one
     shape of 4 rows x 128 slots, and give the tokens and log-probs of one call of 64."""
     from ketch.models import load_causal_lm
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
     input_ids = torch.randint(4, 40, (3, 20), generator=torch.Generator().manual_seed(5))
@@ -125,7 +128,8 @@ def test_compiled_decode_step_gives_the_eager_greedy_tokens_and_log_probs(tiny_m
     same shape compiles nothing, one of another shape once more."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)
     assert model.config.num_hidden_layers == 2
@@ -151,7 +155,8 @@ def test_prompts_of_any_length_up_to_the_longest_decode_in_the_shape_a_warm_up_c
     new compile, giving the unbucketed eager decoder's greedy tokens and log-probs."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     model, short_ids, short_mask = greedy_case(tiny_model_dir)
     g = torch.Generator().manual_seed(4)
@@ -179,7 +184,8 @@ def test_a_later_decoder_loads_the_saved_decode_block_and_decodes_as_eager(tiny_
     """The decode block saved by one compiled decoder (`ketch.compiled`, `aot_eager` backend) is loaded by the
     next (as in a later run): no new form is compiled, and both give eager decoding's greedy tokens."""
     from ketch.compiled import _shared
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)
@@ -201,7 +207,8 @@ def test_a_later_decoder_loads_the_saved_decode_block_and_decodes_as_eager(tiny_
 def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
     """With every token a stop token all rows finish at the first token, and the loop stops at the first check
     (`CHECK_EVERY` = 16: decode steps for tokens 2..16, 15 in all) instead of running 63 steps for 64 tokens."""
-    from ketch.rollout.static_decoding import CHECK_EVERY, Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import CHECK_EVERY, StaticDecoder
 
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)
     calls, tokens = {}, {}
@@ -225,7 +232,8 @@ def test_static_decoding_keeps_a_sliding_window_as_generate_does():
     leaves out the slots the window has passed, so greedy tokens and log-probs match transformers' `generate`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     config = Qwen2Config(
         vocab_size=48,
@@ -257,7 +265,8 @@ def test_decode_shapes_leave_the_training_blocks_compile_static(tiny_model_dir):
     compiles a function of its own, so a training forward compiled after decoding (`engine.compile_blocks`
     compiles another) still gets a graph of fixed shapes, no size among its inputs."""
     from ketch.engine.engine import compile_blocks
-    from ketch.rollout.static_decoding import Sampling, StaticDecoder
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
 
     torch._dynamo.reset()  # forget the shapes that earlier tests of this process compiled the blocks for
     model, input_ids, attention_mask = greedy_case(tiny_model_dir)

@@ -16,7 +16,8 @@ from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
 
 logger = logging.getLogger("ketch.rollout")

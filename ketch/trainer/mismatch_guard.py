@@ -116,18 +116,12 @@ PLAIN = {
 
 def compute_dtype(config: KetchConfig) -> torch.dtype:
     """The dtype the rollout and the training forwards compute in (`model.dtype`, `auto` resolved for the device)."""
-    return resolve_dtype(config.model.dtype, _device(config))
+    return resolve_dtype(config.model.dtype, "cuda" if config.uses_gpu(torch.cuda.is_available()) else "cpu")
 
 
 def family_name(model_config) -> str:
     """The model family as the message names it: `GPTBigCodeForCausalLM (model_type='gpt_bigcode')`."""
     return f"{', '.join(model_config.architectures or []) or 'the model'} (model_type={model_config.model_type!r})"
-
-
-def _device(config: KetchConfig) -> torch.device:
-    """The workers' kind of device (`trainer.device`), read on the driver without touching a GPU."""
-    auto = config.trainer.device == "auto"
-    return torch.device("cuda" if config.trainer.device == "cuda" or (auto and torch.cuda.is_available()) else "cpu")
 
 
 def check(mismatch: Mismatch, family: str, fast_paths: list[str], config: KetchConfig) -> None:

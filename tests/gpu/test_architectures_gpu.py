@@ -20,7 +20,8 @@ from ketch.data import build_char_tokenizer
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
 from ketch.models.tiny import save_tiny_family_model
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 from ketch.trainer.ppo import PPOTrainer
 
 CUDA = torch.device("cuda")

@@ -11,7 +11,8 @@ import torch
 from gpu_models import tiny_decoder
 from greedy import generate_greedy
 
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])

@@ -9,7 +9,8 @@ import copy
 import torch
 
 from ketch.rollout.sample_kernel import sample
-from ketch.rollout.static_decoding import Sampling, StaticDecoder
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 
 
 def test_greedy_tokens_and_log_probs_match_torch_at_a_real_vocabulary():
