@@ -372,7 +372,7 @@ def main() -> None:
     if args.unfused:
         fused_projections.ATTENTIONS.clear()
         fused_projections.MLPS.clear()
-    decoder = StaticDecoder(benchmark_model(args.model), compile_step=True)
+    decoder = StaticDecoder(benchmark_model(args.model), compile_step=True, longest_prompt=S["prompt_len"])
     results = {"scale": args.model, "unfused": args.unfused, "device": torch.cuda.get_device_name(), "by_rows": []}
     if args.floor:
         bandwidth = copy_bandwidth()

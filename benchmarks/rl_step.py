@@ -482,7 +482,11 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
         "tokens_per_s": _median_rate(tokens, records, "step"),
         "decode_tokens_per_s": _median_rate(new_tokens, records, "gen"),
         "parameters": params,
+        "step_s_each": [r["timing_s/step"] for r in records],
     }
+    partial = sorted(k for k in records[0] if k.startswith("partial/"))
+    if partial:  # rollout.partial: the trajectories carried, their staleness, the tokens dropped, per timed step
+        result["partial"] = {k: [r[k] for r in records] for k in partial}
     if args.device == "cuda":
         flops = [(4 if args.lora_rank else 6) * params * t for t in tokens]
         result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * train_devices)

@@ -54,6 +54,27 @@ def test_shape_buckets_give_the_same_greedy_tokens_and_log_probs(tiny_model_dir)
     assert out[False][1].min() < -1  # real log-probs
 
 
+def test_long_prompts_prefill_in_groups_of_rows_as_in_one_forward(tiny_model_dir, monkeypatch):
+    """With room for 1 or 2 prompts of 5 tokens a prefill forward (`PREFILL_TOKENS` 5 or 10: groups of 1, or of
+    2 then 1), 3 ragged prompts decode the greedy tokens and log-probs of one prefill over all 3 rows."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout import static_decoding
+    from ketch.rollout.sampling import Sampling
+
+    model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
+    input_ids = torch.randint(4, 40, (3, 5), generator=torch.Generator().manual_seed(3))
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    out = {}
+    for tokens in (15, 10, 5):
+        monkeypatch.setattr(static_decoding, "PREFILL_TOKENS", tokens)
+        decoder = static_decoding.StaticDecoder(model, compile_step=False, buckets=False)
+        out[tokens] = decoder.generate(input_ids * attention_mask, attention_mask, 6, Sampling(False), [8], 0)
+    for tokens in (10, 5):
+        assert torch.equal(out[tokens][0], out[15][0])
+        torch.testing.assert_close(out[tokens][1], out[15][1], atol=1e-6, rtol=0)
+    assert out[15][1].min() < -1  # real log-probs
+
+
 def test_rows_left_unfinished_move_into_a_smaller_shape_and_keep_their_log_probs(tiny_model_dir):
     """8 sampled rows that stop on 3 of 100 tokens: with 16 or more tokens to go, once half the rows have finished
     the others move into the first 4 (then 2) rows of the same memory; each row's tokens up to its stop token keep the

@@ -103,7 +103,9 @@ def decode_attention(
     if splits == 1:
         return out
     merged = torch.empty_like(query)
-    _merge[(rows, kv_heads)](out, lse, merged, SPLITS=splits, **sizes)
+    pad = triton.next_power_of_2(splits)
+    heads = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": sizes["DIM_PAD"]}
+    _merge[(rows, kv_heads, group)](out, lse, merged, SPLITS=splits, SPLITS_PAD=pad, SPLIT_BLOCK=min(pad, 16), **heads)
     return merged
 
 
@@ -202,30 +204,33 @@ def _merge(
     lse_ptr,
     out_ptr,
     SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    SPLIT_BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
-    """One (row, key/value head): its splits' outputs `[SPLITS, GROUP, HEAD_DIM]`, weighed by the exponentials of
-    their log-sum-exps against the largest, as one softmax over the whole cache would have weighed them."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
-    mask = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    first = (row * tl.num_programs(1) + head) * SPLITS
-    top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for split in range(SPLITS):
-        top = tl.maximum(top, tl.load(lse_ptr + (first + split) * GROUP + g, mask=g < GROUP, other=float("-inf")))
+    """One query head of one row: its splits' outputs `[SPLITS, HEAD_DIM]`, weighed by the exponentials of their
+    log-sum-exps against the largest, as one softmax over the whole cache would have weighed them. The log-sum-exps
+    load as one vector and the outputs in blocks of `SPLIT_BLOCK` splits: a few rows' merge is a few loads deep."""
+    head = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)  # (row, key/value head)
+    g = tl.program_id(2)
+    lse_at = lse_ptr + head * SPLITS * GROUP + g  # split s's log-sum-exp at lse_at + s * GROUP
+    part_at = part_ptr + (head * SPLITS * GROUP + g) * HEAD_DIM  # and its output at part_at + s * GROUP * HEAD_DIM
+    s = tl.arange(0, SPLITS_PAD)
+    top = tl.max(tl.load(lse_at + s * GROUP, mask=s < SPLITS, other=float("-inf")), 0)
     shift = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for split in range(SPLITS):
-        part = (first + split) * GROUP + g
-        weight = tl.exp(tl.load(lse_ptr + part, mask=g < GROUP, other=float("-inf")) - shift)
-        acc += weight[:, None] * tl.load(part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    d = tl.arange(0, DIM_PAD)
+    b = tl.arange(0, SPLIT_BLOCK)
+    total = tl.zeros([SPLIT_BLOCK], tl.float32)
+    acc = tl.zeros([DIM_PAD], tl.float32)
+    for first in range(0, SPLITS, SPLIT_BLOCK):
+        split = first + b
+        weight = tl.exp(tl.load(lse_at + split * GROUP, mask=split < SPLITS, other=float("-inf")) - shift)
+        mask = (split[:, None] < SPLITS) & (d[None, :] < HEAD_DIM)
+        part = tl.load(part_at + split[:, None] * GROUP * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        acc += tl.sum(weight[:, None] * part, 0)
         total += weight
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    offsets = ((row * tl.num_programs(1) + head) * GROUP + g[:, None]) * HEAD_DIM + d[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    total = tl.sum(total, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (head * GROUP + g) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

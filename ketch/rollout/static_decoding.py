@@ -59,6 +59,9 @@ RECOMPILE_LIMIT = 64
 block is compiled with torch.compile itself (a backend object, not saved): every decode shape adds one."""
 
 
+PREFILL_TOKENS = 32768
+"""The most prompt tokens one prefill forward takes: longer batches (a partial rollout's continuations, thousands
+of tokens a row) prefill in groups of rows, so that their activations stay within a few GiB."""
 ROW_BUFFERS = ("tokens", "positions", "mask", "responses", "log_probs", "done")
 """The per-row decode state of `DecodeBuffers` besides the KV cache: its first dimension is the row."""
 
@@ -127,15 +130,19 @@ class DecodeBuffers:
 
     def clear_graphs(self) -> None:
         """Drop the CUDA graphs of these buffers and of their fronts (captured on weights or pools that have
-        moved)."""
+        moved), and capture the next ones into a new memory pool: the old one may still hold a graph's outputs,
+        and torch refuses to capture into a pool whose graphs are gone."""
         self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle() if self.pool is not None else None
         for view in self.fronts.values():
             view.graphs.clear()
+            view.pool = self.pool
 
-    def use(self) -> None:
-        """Point each block's attention module at its pools of keys and values here and at this page table."""
+    def use(self, rows: slice = slice(None)) -> None:
+        """Point each block's attention module at its pools of keys and values here and at the page table's
+        `rows` (a forward of those rows only: a group of the prefill)."""
         for attention, (keys, values) in zip(self.pages.attentions, self.pages.pools, strict=True):
-            attention.decode_kv = (keys, values, self.table)
+            attention.decode_kv = (keys, values, self.table[rows])
 
     def start(self, attention_mask: torch.Tensor, positions: torch.Tensor, active_rows: int, pad_token_id: int):
         """Set up for prompts `[rows, prompt_len]` whose last positions are `positions` `[rows, 1]`: the prompt's
@@ -233,6 +240,22 @@ class StaticDecoder:
             logits_to_keep=1,
         )
         return out.logits[:, -1]
+
+    def _prefill(self, b: DecodeBuffers, input_ids, attention_mask, positions) -> torch.Tensor:
+        """Logits `[batch, vocab]` of the prompts' last positions, with their keys and values written into `b`'s
+        cache: eager (the prompt runs once a call: not worth a compile), in groups of rows of at most
+        `PREFILL_TOKENS` tokens."""
+        batch, prompt_len = input_ids.shape
+        slots = torch.arange(prompt_len, device=input_ids.device)
+        group = max(1, PREFILL_TOKENS // prompt_len)
+        logits = []
+        with eager():
+            for first in range(0, batch, group):
+                rows = slice(first, first + group)
+                b.use(rows)
+                logits.append(self._step(input_ids[rows], attention_mask[rows], positions[rows], slots))
+        b.use()
+        return torch.cat(logits)
 
     def _buffers(self, batch: int, length: int, device: torch.device) -> DecodeBuffers:
         key = (batch, length)
@@ -362,8 +385,7 @@ class StaticDecoder:
         b = self._buffers(*shape, device)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         b.start(attention_mask, positions[:, -1:], batch if active_rows is None else active_rows, pad_token_id)
-        with eager():  # the prompt runs once per call: not worth a compile
-            logits = self._step(input_ids, attention_mask, positions, torch.arange(prompt_len, device=device))
+        logits = self._prefill(b, input_ids, attention_mask, positions)
         prompt_s = _finished(device) - start if timed else 0.0
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         self._record(b, logits, sampling, is_stop, pad_token_id)
