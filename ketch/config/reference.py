@@ -4,7 +4,8 @@ Every key of `KetchConfig` with its type, default, allowed range (`RANGES`), the
 of the built-in run where they differ, and the doc text written under the field in `schema.py` (read from the
 source: a dataclass keeps no attribute docstrings at run time).
 
-    python -m ketch.config.reference docs/reference/config.md     # write the page; without a path: print it
+    make reference                              # python -m ketch.config.reference docs/reference/config.md
+    python -m ketch.config.reference            # print the page
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ketch.config.loader import load_config
 from ketch.config.validate import RANGES
 
 PAGE = Path("docs/reference/config.md")
-REGENERATE = f"python -m ketch.config.reference {PAGE}"
+REGENERATE = "make reference"
 
 
 def field_docs(source: str) -> dict[tuple[str, str], str]:
