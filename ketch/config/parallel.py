@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from ketch.architecture import attention_shape, tensor_parallel_problems
+from ketch.architecture import attention_shape, router, tensor_parallel_problems
 from ketch.config.errors import raise_problems
 from ketch.config.schema import KetchConfig, MegatronConfig
 
@@ -87,7 +87,14 @@ def check_rollout_start(config: KetchConfig, model_config: Any) -> None:
 def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
     """What `check_rollout_start` raises, one line a problem."""
     r = config.rollout
-    return tensor_parallel_problems(r.tensor_parallel_size, model_config) if r.name == "hf" else []
+    problems = tensor_parallel_problems(r.tensor_parallel_size, model_config) if r.name == "hf" else []
+    if config.actor.router_replay != "off" and router(model_config) is None:
+        problems.append(
+            f"actor.router_replay={config.actor.router_replay} replays a mixture of experts' routing, and "
+            f"model_type={model_config.model_type!r} has no router (not a mixture of experts): set "
+            "actor.router_replay=off"
+        )
+    return problems
 
 
 def sequence_parallel_problem(size: int, model_config: Any) -> str | None:

@@ -279,6 +279,11 @@ class ActorConfig:
     router_aux_loss_coef: float | None = None
     """Mixture-of-experts models: weight of the router's load-balancing loss in the actor loss (logged as
     actor/router_aux_loss); None = the model config's router_aux_loss_coef, 0 = off."""
+    router_replay: Literal["off", "rollout", "old"] = "off"
+    """Mixture-of-experts models on the hf rollout: route each token of the training forwards (old log-probs, update,
+    reference) to given experts instead of the router's own choice: `rollout` (R3) the experts the rollout chose,
+    `old` (R2) those of the old-log-prob pass; the gate values stay the router's, so it still trains. Logs
+    actor/router_mismatch, the share of response tokens routed otherwise without replay. See docs/algorithms.md."""
     use_kl_loss: bool = False
     """Add KL(actor || reference) to the loss (GRPO style) instead of to the reward."""
     kl_loss_coef: float = 0.001

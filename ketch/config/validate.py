@@ -417,6 +417,29 @@ def _dapo(c: KetchConfig) -> str | None:
     return None
 
 
+def _router_replay(c: KetchConfig) -> str | None:
+    a, r, key = c.actor, c.rollout, f"actor.router_replay={c.actor.router_replay}"
+    if a.router_replay == "off":
+        return None
+    refused = {
+        "rollout.name=vllm": r.name == "vllm",
+        "actor.strategy=megatron": a.strategy == "megatron",
+        "actor.ulysses_sequence_parallel_size > 1": a.ulysses_sequence_parallel_size > 1,
+        "rollout.multi_turn.enable=true": r.multi_turn.enable,
+        "rollout.partial.enable=true": r.partial.enable,
+        "algorithm.filter_groups.enable=true": c.algorithm.filter_groups.enable,
+    }
+    given = [name for name, on in refused.items() if on]
+    if given:
+        return (
+            f"{key} replays the experts the hf rollout records on single-turn rollouts, trained on the FSDP engine "
+            f"without sequence parallelism; not with {given[0]}: set actor.router_replay=off or drop it"
+        )
+    if a.router_replay == "old" and a.old_log_prob_from_rollout:
+        return f"{key} replays the old-log-prob pass's experts, which actor.old_log_prob_from_rollout=true skips"
+    return None
+
+
 def _lora(c: KetchConfig) -> str | None:
     roles = {"actor": c.actor} | ({"critic": c.critic} if c.use_critic else {})
     refused = [name for name, role in roles.items() if role.lora.enabled and role.strategy == "megatron"]
@@ -442,4 +465,4 @@ def _lora(c: KetchConfig) -> str | None:
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
-_CHECKS += (_sequence_parallel, partial_rollout_problem)
+_CHECKS += (_sequence_parallel, partial_rollout_problem, _router_replay)

@@ -39,6 +39,9 @@ LossFn = Callable[[dict[str, torch.Tensor], DataProto, torch.Tensor, torch.Tenso
 """loss_fn(outputs, micro_batch, num_tokens, num_seqs) -> (loss, metrics); counts are mini-batch totals."""
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+GIVEN_INPUTS = ("given_experts",)
+"""Inputs passed on to the module where a micro-batch holds them: the experts each token of a mixture of experts is
+routed to or compared with, `[batch, seq, moe_layers, top_k]` (`ketch.models.router_replay`)."""
 
 
 def shard(
@@ -216,7 +219,9 @@ class TrainEngine:
         return [(micro.to(self.device), mask) for micro, mask in zip(micro_batches, host_masks, strict=True)]
 
     def _forward(self, micro: DataProto, host_mask: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
-        inputs = {k: micro.batch[k] for k in MODEL_INPUTS}
+        inputs = {k: micro.batch[k] for k in MODEL_INPUTS} | {
+            k: micro.batch[k] for k in GIVEN_INPUTS if k in micro.batch
+        }
         response_len = micro.batch["responses"].shape[-1]
         return self.module(**inputs, response_len=response_len, host_attention_mask=host_mask, **kwargs)
 

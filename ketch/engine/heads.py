@@ -25,6 +25,7 @@ from ketch.determinism import disable_dropout, keep_in_eval
 from ketch.engine.log_probs import token_log_probs
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 from ketch.engine.sequence_parallel import sharded_states
+from ketch.models.router_replay import ExpertRouting, differing
 
 
 class _Deterministic(nn.Module):
@@ -40,9 +41,10 @@ class _Deterministic(nn.Module):
 
 
 class PolicyModel(_Deterministic):
-    """A causal LM that returns log-probs (and entropy) of given response tokens."""
+    """A causal LM that returns log-probs (and entropy) of given response tokens. With `route_experts`, a mixture of
+    experts keeps each token's experts, and routes by given ones where asked (`ketch.models.router_replay`)."""
 
-    def __init__(self, lm: nn.Module, packed: bool = False):
+    def __init__(self, lm: nn.Module, packed: bool = False, route_experts: bool = False):
         super().__init__()
         self.eval_only = disable_dropout(lm)
         self.lm, self.packed, self.sequence_parallel = lm, packs(lm, packed), None
@@ -51,6 +53,7 @@ class PolicyModel(_Deterministic):
         self.router = router(lm.config) if routers else None
         for module, index in routers:  # hooks, traced into compiled blocks (transformers' own capture is not)
             module.register_forward_hook(partial(_record, self.router_logits, index))
+        self.routing = ExpertRouting(lm).attach() if route_experts else None
         if self.packed:
             use_packed_attention(lm)
 
@@ -63,13 +66,22 @@ class PolicyModel(_Deterministic):
         temperature: float = 1.0,
         calc_entropy: bool = False,
         host_attention_mask: torch.Tensor | None = None,
+        given_experts: torch.Tensor | None = None,
+        replay: bool = False,
+        return_experts: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]` (prompt then response); returns `log_prob` (and `entropy`) `[batch, response_len]`
         in float32, for logits divided by `temperature` as in sampling; 0 at response padding (attention_mask 0),
         where the output projection is not computed. A mixture of experts also returns, where gradients are taken,
-        its router's load-balancing loss over the real tokens, `router_aux_loss` (a float32 scalar)."""
+        its router's load-balancing loss over the real tokens, `router_aux_loss` (a float32 scalar).
+
+        With `route_experts`: `given_experts` `[batch, seq, moe_layers, top_k]` are routed to with `replay`, and
+        `router_mismatch` `[batch, response_len]` is 1.0 where the token before a response token (whose hidden state
+        scores it) chose other experts in some layer than given; `return_experts` returns the forward's own choice
+        as `routed_experts` `[batch, seq, moe_layers, top_k]` (zeros at padding)."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
         self.router_logits.clear()
+        tokens = self._route(given_experts if replay else None, host, input_ids.device)
         backbone = decoder(self.lm)
         if self.sequence_parallel is not None:
             args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
@@ -90,6 +102,29 @@ class PolicyModel(_Deterministic):
         if self.router is not None and torch.is_grad_enabled():
             out["router_aux_loss"] = self._router_aux_loss(host, input_ids.device)
         self.router_logits.clear()
+        if tokens is not None:
+            out |= self._routing_outputs(tokens, given_experts, host, response_len, return_experts)
+        return out
+
+    def _route(self, given: torch.Tensor | None, host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """With `route_experts`: route the next forward by `given` `[batch, seq, moe_layers, top_k]` (None: by its
+        own choice); returns where the forward's tokens sit in `[batch * seq]` (`[tokens]`)."""
+        if self.routing is None:
+            return None
+        tokens = Packing.from_mask(host, device).index if self.packed else torch.arange(host.numel(), device=device)
+        self.routing.replay(None if given is None else given.flatten(0, 1)[tokens])
+        return tokens
+
+    def _routing_outputs(self, tokens, given, host, response_len: int, return_experts: bool) -> dict:
+        """`router_mismatch` and `routed_experts` (see `forward`) from the choices of the forward just run, whose
+        tokens sit at `tokens` `[tokens]` of `[batch * seq]`."""
+        chosen = self.routing.chosen()
+        own = chosen.new_zeros(host.numel(), *chosen.shape[1:]).index_copy(0, tokens, chosen)
+        own = own.view(*host.shape, *chosen.shape[1:])
+        out = {"routed_experts": own} if return_experts else {}
+        if given is not None:
+            mask = to_device(host[:, -response_len:], own.device)
+            out["router_mismatch"] = differing(own, given)[:, -response_len - 1 : -1].float() * mask
         return out
 
     def _router_aux_loss(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:

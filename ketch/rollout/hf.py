@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from ketch.architecture import static_decoding_problem
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
+from ketch.models.router_replay import ExpertRouting
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.sampling import Sampling
@@ -50,15 +51,24 @@ class HFRollout(Rollout):
         compiled = device.type == "cuda"
         longest = config.data.max_prompt_length
         self.decoder = StaticDecoder(self.model, compiled, longest_prompt=longest) if static else None
+        self.routing = ExpertRouting(self.model).attach() if config.actor.router_replay != "off" else None
+        if self.decoder is not None:
+            self.decoder.routing = self.routing
         self.dropped: list[tuple[torch.UntypedStorage, int]] = []
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
-        responses, log_probs, rows = self._decode_together(prompts, self._decode)
+        """See `Rollout.generate`; with `actor.router_replay`, also `routed_experts` `[batch, prompt_len +
+        response_len, moe_layers, top_k]`: the experts of every token fed to the model (`ketch.models.router_replay`;
+        zeros at padding and at each response's last token)."""
+        *decoded, rows = self._decode_together(prompts, self._decode)
         if rows is not None:
-            responses, log_probs = responses[rows], log_probs[rows]
+            decoded = [values[rows] for values in decoded]
         stops = None if self.config.ignore_eos else self.stop_token_ids
-        return rollout_output(prompts.to(responses.device), responses, log_probs, stops, self.pad_token_id)
+        out = rollout_output(prompts.to(decoded[0].device), *decoded[:2], stops, self.pad_token_id)
+        if self.routing is not None:
+            out.batch["routed_experts"] = decoded[2]
+        return out
 
     @torch.no_grad()
     def warm_up(self, prompts: DataProto) -> None:
@@ -67,9 +77,10 @@ class HFRollout(Rollout):
         if self.decoder is not None and self.decoder.compiled:
             self._decode_together(prompts, partial(self._decode, stop_after=2))
 
-    def _decode_together(self, prompts: DataProto, decode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """`decode(prompts)` on this rank's device. With tensor parallelism, the group decodes the prompts of all
-        its ranks together (the same random numbers on each), and the rows of this rank's own are returned too."""
+    def _decode_together(self, prompts: DataProto, decode) -> tuple:
+        """`decode(prompts)` on this rank's device, then the rows of this rank (None: all). With tensor parallelism,
+        the group decodes the prompts of all its ranks together (the same random numbers on each), and the rows of
+        this rank's own are returned too."""
         device = next(self.model.parameters()).device
         if self.tp is None:
             return *decode(prompts.to(device)), None
@@ -77,8 +88,9 @@ class HFRollout(Rollout):
         with same_random_numbers(seed, device):
             return *decode(together.to(device)), rows
 
-    def _decode(self, prompts: DataProto, stop_after: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`responses` and their log-probs `[batch, max_response_length]`, decoded in sub-batches of
+    def _decode(self, prompts: DataProto, stop_after: int | None = None) -> tuple[torch.Tensor, ...]:
+        """`responses` and their log-probs `[batch, max_response_length]` (and with `routing`, the experts `[batch,
+        prompt_len + max_response_length, moe_layers, top_k]`), decoded in sub-batches of
         `rows_per_batch` rows; `stop_after`: see `StaticDecoder`."""
         rows = rows_per_batch(
             self.config.max_num_batched_tokens, prompts.batch["input_ids"].shape[-1], self.max_response_length
@@ -88,7 +100,7 @@ class HFRollout(Rollout):
         parts = [self._decode_batch(part, stop_after) for part in prompts.split(rows)]
         return tuple(torch.cat(outputs) for outputs in zip(*parts, strict=True))
 
-    def _decode_batch(self, prompts: DataProto, stop_after: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_batch(self, prompts: DataProto, stop_after: int | None) -> tuple[torch.Tensor, ...]:
         do_sample, temperature = call_sampling(prompts, self.config)
         limits = call_limits(prompts, self.max_response_length)
         if self.decoder is None:
@@ -96,15 +108,31 @@ class HFRollout(Rollout):
         return self._decode_static(prompts, do_sample, temperature, min(stop_after or limits[0], limits[0]))
 
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
-        prompt_ids = prompts.batch["input_ids"]
-        out = self.model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompts.batch["attention_mask"],
-            generation_config=self._generation_config(do_sample, temperature, max_new, stop),
-            tokenizer=self.tokenizer if stop else None,
-        )
+        prompt_ids, forwards = prompts.batch["input_ids"], []
+        hook = None
+        if self.routing is not None:
+            hook = self.model.register_forward_hook(lambda *_: forwards.append(self.routing.chosen()))
+        try:
+            out = self.model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompts.batch["attention_mask"],
+                generation_config=self._generation_config(do_sample, temperature, max_new, stop),
+                tokenizer=self.tokenizer if stop else None,
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
-        return responses, self._log_probs(out.logits, responses, temperature)
+        decoded = responses, self._log_probs(out.logits, responses, temperature)
+        return decoded if self.routing is None else (*decoded, self._generated_experts(forwards, prompt_ids.shape))
+
+    def _generated_experts(self, forwards: list, shape: torch.Size) -> torch.Tensor:
+        """The experts of `generate`'s forwards (`forwards`: each one's choices, taken by the hook that appended
+        to it): the prompt's `[batch, prompt_len]` first, then one token a step, as `[batch, prompt_len +
+        max_response_length, moe_layers, top_k]`."""
+        experts = torch.cat([step.view(shape[0], -1, *step.shape[1:]) for step in forwards], dim=1)
+        missing = shape[1] + self.max_response_length - experts.shape[1]
+        return nn.functional.pad(experts, (0, 0, 0, 0, 0, missing))
 
     def _decode_static(self, prompts: DataProto, do_sample: bool, temperature: float, stop_after: int):
         """Decodes `stop_after` tokens (a call's `max_new_tokens`) or to a stop token, in the shape of
@@ -115,7 +143,8 @@ class HFRollout(Rollout):
         stops = None if r.ignore_eos else self.stop_token_ids
         b = prompts.batch
         args = (self.max_response_length, sampling, stops, self.pad_token_id, stop_after)
-        return self.decoder.generate(b["input_ids"], b["attention_mask"], *args)
+        decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args)
+        return decoded if self.routing is None else (*decoded, self.decoder.routed_experts)
 
     def _generation_config(
         self, do_sample: bool, temperature: float, max_new: int, stop: list[str]

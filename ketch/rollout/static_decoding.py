@@ -39,6 +39,7 @@ from ketch.architecture import (
     static_decoding_problem,
 )
 from ketch.compiled import eager, saved_compile
+from ketch.models.router_replay import ExpertRouting, compact_dtype
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.fused_projections import fuse_projections
 from ketch.rollout.kv_pages import KVPages
@@ -208,6 +209,11 @@ class StaticDecoder:
         if no_graph and next(model.parameters()).is_cuda:
             logger.info("%s decodes compiled, without CUDA graphs: %s", type(model).__name__, no_graph)
         self.weights: list[int] = []
+        self.routing: ExpertRouting | None = None
+        """Set (attached) to record each token's experts: `generate` then leaves them in `routed_experts`."""
+        self.routed_experts: torch.Tensor | None = None
+        """With `routing`: the last `generate`'s experts of each prompt token and each token fed back, `[batch,
+        prompt_len + max_new_tokens, moe_layers, top_k]` (zeros where no token was fed: the last, padding)."""
         if compile_step:
             config = torch._dynamo.config
             config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
@@ -241,10 +247,11 @@ class StaticDecoder:
         )
         return out.logits[:, -1]
 
-    def _prefill(self, b: DecodeBuffers, input_ids, attention_mask, positions) -> torch.Tensor:
+    def _prefill(self, b: DecodeBuffers, input_ids, attention_mask, positions, experts=None) -> torch.Tensor:
         """Logits `[batch, vocab]` of the prompts' last positions, with their keys and values written into `b`'s
         cache: eager (the prompt runs once a call: not worth a compile), in groups of rows of at most
-        `PREFILL_TOKENS` tokens."""
+        `PREFILL_TOKENS` tokens; the prompt tokens' experts go to `experts` `[batch, length, moe_layers, top_k]`
+        where given."""
         batch, prompt_len = input_ids.shape
         slots = torch.arange(prompt_len, device=input_ids.device)
         group = max(1, PREFILL_TOKENS // prompt_len)
@@ -254,6 +261,8 @@ class StaticDecoder:
                 rows = slice(first, first + group)
                 b.use(rows)
                 logits.append(self._step(input_ids[rows], attention_mask[rows], positions[rows], slots))
+                if experts is not None:
+                    experts[rows, :prompt_len] = self.routing.chosen().view(-1, prompt_len, *experts.shape[2:])
         b.use()
         return torch.cat(logits)
 
@@ -306,7 +315,7 @@ class StaticDecoder:
         stream (it compiles the block and the sampler) and is then captured into a CUDA graph that later
         iterations replay; not for a model whose step waits for the GPU (`architecture.cuda_graph_problem`)."""
         args = (b, sampling, is_stop, pad)
-        if not (self.capture and b.tokens.is_cuda):
+        if not (self.capture and b.tokens.is_cuda) or self.routing is not None:  # a graph's replay records nothing
             return self._iterate(*args)
         key = (sampling.key(), is_stop.data_ptr(), pad)
         if key in b.graphs:
@@ -362,6 +371,8 @@ class StaticDecoder:
         attention_mask = nn.functional.pad(attention_mask, (extra_len, 0, 0, extra_rows))
         attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
         tokens, log_probs = self._generate(input_ids, attention_mask, *args, active_rows=rows)
+        if self.routing is not None:
+            self.routed_experts = self.routed_experts[:rows, extra_len:]
         return tokens[:rows], log_probs[:rows]
 
     def _generate(
@@ -385,7 +396,8 @@ class StaticDecoder:
         b = self._buffers(*shape, device)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         b.start(attention_mask, positions[:, -1:], batch if active_rows is None else active_rows, pad_token_id)
-        logits = self._prefill(b, input_ids, attention_mask, positions)
+        experts = self._experts(batch, shape[1], device)
+        logits = self._prefill(b, input_ids, attention_mask, positions, experts)
         prompt_s = _finished(device) - start if timed else 0.0
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         self._record(b, logits, sampling, is_stop, pad_token_id)
@@ -402,6 +414,8 @@ class StaticDecoder:
                     out = self._save_rows(b, rows, out)
                     b, rows = self._compact(root, b, unfinished), rows[unfinished]
             self._decode(b, sampling, is_stop, pad_token_id)
+            if experts is not None:  # the token fed at step t sits at slot prompt_len + t - 1
+                experts[rows, prompt_len + t - 1] = self.routing.chosen()[: len(rows)]
         if b is not root:
             out = self._save_rows(b, rows, out)
         if timed:
@@ -415,7 +429,16 @@ class StaticDecoder:
         end = min(prompt_len + max_new_tokens, shape[1])  # a continuation's cache may end before its max_new_tokens
         pad = (0, prompt_len + max_new_tokens - end)  # copies, whatever the padding: the buffers decode again
         tokens = nn.functional.pad(out[0][:, prompt_len:end], pad, value=pad_token_id)
+        if experts is not None:
+            self.routed_experts = nn.functional.pad(experts[:, :end], (0, 0, 0, 0, *pad))
         return tokens, nn.functional.pad(out[1][:, prompt_len:end], pad)
+
+    def _experts(self, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
+        """With `routing`: zeros `[batch, length, moe_layers, top_k]` for the experts of a batch's tokens."""
+        r = self.routing
+        if r is None:
+            return None
+        return torch.zeros(batch, length, r.layers, r.top_k, dtype=compact_dtype(r.experts), device=device)
 
     def _length(self, prompt_len: int, max_new_tokens: int, decoded: int) -> int:
         """The KV cache length for prompts of `prompt_len` tokens decoding `decoded` of `max_new_tokens` tokens: room

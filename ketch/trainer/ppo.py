@@ -335,6 +335,7 @@ class PPOTrainer(TrainingLoop):
         keys = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask", "advantages"]
         a = self.config.actor
         optional = ["old_log_prob"] + (["ref_log_prob"] if a.use_kl_loss else [])
+        optional += ["routed_experts", "old_routed_experts"]  # actor.router_replay's (ketch.models.router_replay)
         # the rollout log-probs serve truncated IS, and the mismatch metrics when the update's forward is π_old
         optional += ["rollout_log_probs"] if a.rollout_is is not None or "old_log_prob" not in batch.batch else []
         keys += [k for k in optional if k in batch.batch]

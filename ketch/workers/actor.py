@@ -25,7 +25,7 @@ from ketch.config.batch import BatchPlan
 from ketch.config.schema import KetchConfig
 from ketch.controller import DP_COMPUTE_PROTO, ONE_TO_ALL, PROCESS_COMPUTE_PROTO, Worker, register
 from ketch.engine.checkpoint import HF_DIR, load_engine, save_engine
-from ketch.engine.distributed import all_reduce_max
+from ketch.engine.distributed import all_reduce_max, all_reduce_sum
 from ketch.engine.engine import TrainEngine, compile_enabled
 from ketch.engine.export import gather_hf_state, gather_trained_state, write_hf_directory
 from ketch.engine.fused import fuse_kernels
@@ -58,6 +58,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         self.update_count = 0
         # the constant of seq-mean-token-sum-norm (Dr. GRPO): the same for every micro-batch of the run
         self.norm_constant = config.actor.loss_scale_factor or config.data.max_response_length
+        self.router_mismatch: torch.Tensor | None = None  # routed otherwise than the rollout, compared tokens
 
     @register(ONE_TO_ALL)
     def init_model(self) -> None:
@@ -75,7 +76,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             packed = packing_enabled(c.model.use_remove_padding, self.device)
             compile = compile_enabled(c.model.use_torch_compile, self.device)
             # a frozen base stays in model.dtype: it needs no float32 master weights
-            policy = PolicyModel(self._load(self.dtype if lora.enabled else torch.float32), packed)
+            route = c.actor.router_replay != "off"
+            policy = PolicyModel(self._load(self.dtype if lora.enabled else torch.float32), packed, route)
             if lora.enabled:  # after the head turned the model's dropout off: the adapters' own stays
                 add_lora(policy.lm, lora, seed=c.trainer.seed)
             self.actor = TrainEngine(
@@ -91,7 +93,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             )
             self.ref = (
                 TrainEngine(
-                    PolicyModel(self._load(self.dtype), packed),
+                    PolicyModel(self._load(self.dtype), packed, route),
                     self.device,
                     compile=compile,
                     sequence_parallel=c.actor.ulysses_sequence_parallel_size,
@@ -157,10 +159,34 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
 
     @register(DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        """`old_log_prob` and `entropy` `[batch, response_len]` under the current actor."""
-        micro = self.config.rollout.log_prob_micro_batch_size_per_device
-        out = self.actor.infer(data, micro, self._token_budget(), **self._forward_kwargs(True))
-        return DataProto.from_dict({"old_log_prob": out["log_prob"].cpu(), "entropy": out["entropy"].cpu()})
+        """`old_log_prob` and `entropy` `[batch, response_len]` under the current actor; with `actor.router_replay=old`
+        also its experts, `old_routed_experts` `[batch, seq, moe_layers, top_k]`."""
+        micro, old = self.config.rollout.log_prob_micro_batch_size_per_device, self.config.actor.router_replay == "old"
+        data, routing = self._given_experts(data, replayed=not old)
+        kwargs = self._forward_kwargs(True) | routing | ({"return_experts": True} if old else {})
+        out = self.actor.infer(data, micro, self._token_budget(), **kwargs)
+        self._count_router_mismatch(out, data.batch["response_mask"])
+        result = {"old_log_prob": out["log_prob"].cpu(), "entropy": out["entropy"].cpu()}
+        return DataProto.from_dict(result | ({"old_routed_experts": out["routed_experts"].cpu()} if old else {}))
+
+    def _given_experts(self, data: DataProto, replayed: bool = True) -> tuple[DataProto, dict]:
+        """`data` with `given_experts` for a mixture of experts under `actor.router_replay`, and the forward's
+        keyword for it: with `replayed`, the experts to route by where `data` holds them (the rollout's for
+        `rollout`, the old-log-prob pass's for `old`), else the rollout's to compare with."""
+        mode, b = self.config.actor.router_replay, data.batch
+        source = {"rollout": "routed_experts", "old": "old_routed_experts"}.get(mode)
+        replay = replayed and source in b
+        given = source if replay else "routed_experts"
+        if mode == "off" or given not in b:
+            return data, {}
+        return DataProto(b | {"given_experts": b[given]}, data.non_tensor_batch, data.meta_info), {"replay": replay}
+
+    def _count_router_mismatch(self, out: dict, response_mask: torch.Tensor) -> None:
+        """Keep the tokens of a forward on the rollout's weights that routed otherwise than the rollout
+        (`router_mismatch`), for the update's `actor/router_mismatch`."""
+        if "router_mismatch" in out:
+            compared = torch.stack([out["router_mismatch"].sum(), response_mask.sum().to(out["router_mismatch"])])
+            self.router_mismatch = compared.to(self.device, torch.float32)
 
     @register(DP_COMPUTE_PROTO)
     def compute_mismatch_log_probs(self, data: DataProto) -> DataProto:
@@ -169,6 +195,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         `meta_info["fast_paths"]`, ketch's own code paths that computed them and the rollout's (`mismatch_guard.PLAIN`
         names them)."""
         micro, kwargs = self.config.rollout.log_prob_micro_batch_size_per_device, self._forward_kwargs(False)
+        data, routing = self._given_experts(data)
+        kwargs |= routing
         out = {}
         for name, train in (("train_log_prob", True), ("eval_log_prob", False)):
             out[name] = self.actor.infer(data, micro, self._token_budget(), train=train, **kwargs)["log_prob"].cpu()
@@ -189,8 +217,9 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             raise RuntimeError("compute_ref_log_prob called, but no reference policy was built (KL is not used)")
         micro = self.config.ref.log_prob_micro_batch_size_per_device
         engine = self.actor if self.ref is None else self.ref
+        data, routing = self._given_experts(data)
         with adapters_disabled(self.actor.module) if self.ref is None else nullcontext():
-            out = engine.infer(data, micro, self._token_budget(), **self._forward_kwargs(False))
+            out = engine.infer(data, micro, self._token_budget(), **self._forward_kwargs(False), **routing)
         return DataProto.from_dict({"ref_log_prob": out["log_prob"].cpu()})
 
     def _token_budget(self) -> int | None:
@@ -209,13 +238,14 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         entropy = a.entropy_coeff != 0 or "old_log_prob" not in data.batch
         self.mismatch_max = torch.zeros(1 + len(TURN_KINDS), device=self.device)
         self.mismatch_with = self._rollout_column(data)
+        data, routing = self._given_experts(data)
         steps = []
         for micros in mini_batches(data, self.plan.actor, a.shuffle, seed, self._token_budget()):
-            steps.append(self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy)))
+            steps.append(self.actor.train_mini_batch(micros, self._loss, **self._forward_kwargs(entropy), **routing))
             self.mismatch_with = None  # the next mini-batch's forward runs on weights the rollout did not sample with
         self.update_count += 1
         metrics = mean_over_steps(steps, "actor")
-        metrics |= self._mismatch_metrics(metrics)
+        metrics |= self._mismatch_metrics(metrics) | self._router_mismatch_metric()
         if self.rollout is not None:  # a standalone rollout gets the weights when the driver sends them
             metrics["timing_s/weight_sync"] = self._sync_rollout()
         return DataProto(meta_info={"metrics": metrics})
@@ -231,6 +261,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             metrics["entropy"] = (out["entropy"].detach() * mask).sum() / num_tokens.clamp(min=1)
         if self.mismatch_with is not None:
             metrics |= self._rollout_mismatch(out["log_prob"].detach(), b, num_tokens)
+        if "router_mismatch" in out and self.mismatch_with is not None and self.router_mismatch is None:
+            metrics["router_mismatch"] = (out["router_mismatch"] * mask).sum() / num_tokens.clamp(min=1)
         loss = pg_loss
         if a.entropy_coeff:
             entropy = agg_loss(out["entropy"], mask, a.loss_agg_mode, **counts)
@@ -271,6 +303,16 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             metrics[f"rollout_probs_diff_sum/{kind}"] = torch.where(turns[kind], diff, 0).sum()
             metrics[f"rollout_tokens/{kind}"] = turns[kind].sum().float()
         return metrics
+
+    def _router_mismatch_metric(self) -> dict[str, float]:
+        """`actor/router_mismatch`: the share of response tokens whose hidden state (the token before them) chose
+        other experts, in some MoE layer, than the rollout did, over all ranks, as the old-log-prob pass measured it
+        (without that pass, `_loss` measures it in the update's first mini-batch)."""
+        if self.router_mismatch is None:
+            return {}
+        differing, compared = all_reduce_sum(self.router_mismatch).tolist()
+        self.router_mismatch = None
+        return {"actor/router_mismatch": differing / max(compared, 1.0)}
 
     def _mismatch_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """`training/rollout_*` from `_rollout_mismatch`'s terms in the update's `metrics` (popped); per kind of
