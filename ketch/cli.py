@@ -23,11 +23,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
     from ketch.rollout.multi_turn import ToolError
     from ketch.rollout.vllm_adapter import VLLMUnavailableError
+    from ketch.run_lock import RunDirBusyError
     from ketch.tracking import TrackerError
     from ketch.trainer.checkpoint import CheckpointError
     from ketch.trainer.loop import RunFailedError
     from ketch.trainer.mismatch_guard import RolloutMismatchError
-    from ketch.trainer.run_dir import RunDirBusyError
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError, ToolError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)

@@ -28,6 +28,14 @@ def _object_array(values: Any) -> np.ndarray:
     return out
 
 
+def object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D numpy object array `[len(values)]` holding each value as one element (lists stay lists)."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
 @dataclass
 class DataProto:
     batch: dict[str, torch.Tensor] = field(default_factory=dict)

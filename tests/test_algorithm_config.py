@@ -25,3 +25,12 @@ def test_old_log_probs_from_the_rollout_exclude_what_needs_the_training_engines(
         load_config(overrides=["actor.rollout_is=token", "actor.old_log_prob_from_rollout=true"])
     with pytest.raises(ConfigError, match=r"which actor.recompute_old_log_prob=true needs"):
         load_config(overrides=["actor.recompute_old_log_prob=true", "actor.old_log_prob_from_rollout=true"])
+
+
+def test_the_registries_declare_the_built_ins_that_ketch_algorithms_registers():
+    import ketch.algorithms  # noqa: F401  (registers the built-ins)
+    from ketch.registry import ADV_ESTIMATORS, POLICY_LOSSES
+
+    estimators = {n for n in ADV_ESTIMATORS.names() if ADV_ESTIMATORS.get(n).fn.__module__.startswith("ketch.")}
+    losses = {n for n in POLICY_LOSSES.names() if POLICY_LOSSES.get(n).__module__.startswith("ketch.")}
+    assert (estimators, losses) == (ADV_ESTIMATORS.builtins, POLICY_LOSSES.builtins)

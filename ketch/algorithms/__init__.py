@@ -2,8 +2,9 @@
 and value losses, rollout–training mismatch correction, DAPO's group filter and overlong shaping, the
 Bradley–Terry loss of reward models and the mixing of reward sources.
 
-This package imports no other ketch module: batches are used through `.batch`, `.non_tensor_batch` and
-`.meta_info` only, so it can be tested and reused on its own.
+This package imports no other ketch module but `ketch.registry` (the estimators' and policy losses' registries, which
+the config's validation reads too) and, for type hints only, `ketch.protocol`: batches are used through `.batch`,
+`.non_tensor_batch` and `.meta_info` only, so it can be tested and reused on its own.
 """
 
 from ketch.algorithms.advantage import NonFiniteError, robust_compute_advantage

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from ketch.algorithms._checks import check_same_shape
-from ketch.algorithms._registry import Registry
 from ketch.algorithms.masked import masked_whiten
+from ketch.registry import ADV_ESTIMATORS
 
 GroupIds = Sequence[Hashable] | np.ndarray | torch.Tensor
 EstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -244,9 +244,6 @@ class AdvEstimator:
         return self.fn(token_level_rewards, response_mask, **context)
 
 
-_ESTIMATORS: Registry[AdvEstimator] = Registry("advantage estimator")
-
-
 def register_adv_estimator(name: str, *, whiten: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering `fn(token_level_rewards, response_mask, **context) -> (advantages, returns)`.
 
@@ -255,7 +252,7 @@ def register_adv_estimator(name: str, *, whiten: bool = False) -> Callable[[Esti
     """
 
     def decorate(fn: EstimatorFn) -> EstimatorFn:
-        _ESTIMATORS.add(name, AdvEstimator(name, fn, whiten))
+        ADV_ESTIMATORS.add(name, AdvEstimator(name, fn, whiten))
         return fn
 
     return decorate
@@ -263,7 +260,7 @@ def register_adv_estimator(name: str, *, whiten: bool = False) -> Callable[[Esti
 
 def get_adv_estimator(name: str) -> AdvEstimator:
     """The estimator registered as `name`; an unknown name raises ValueError listing the registered ones."""
-    return _ESTIMATORS.get(name)
+    return ADV_ESTIMATORS.get(name)
 
 
 def _needs(value: Any, estimator: str, what: str, source: str) -> Any:

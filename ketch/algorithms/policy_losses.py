@@ -14,20 +14,18 @@ from collections.abc import Callable
 import torch
 
 from ketch.algorithms._checks import check_same_shape
-from ketch.algorithms._registry import Registry
 from ketch.algorithms.losses import agg_loss, clip_metrics, policy_loss, weighted
+from ketch.registry import POLICY_LOSSES
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 Count = int | float | torch.Tensor | None
-
-_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss (actor.policy_loss)")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss with the calling convention described in this module."""
 
     def decorate(fn: PolicyLossFn) -> PolicyLossFn:
-        _POLICY_LOSSES.add(name, fn)
+        POLICY_LOSSES.add(name, fn)
         return fn
 
     return decorate
@@ -35,12 +33,12 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; an unknown name raises ValueError listing the registered ones."""
-    return _POLICY_LOSSES.get(name)
+    return POLICY_LOSSES.get(name)
 
 
 def policy_loss_names() -> list[str]:
     """The registered policy-loss names, sorted."""
-    return _POLICY_LOSSES.names()
+    return POLICY_LOSSES.names()
 
 
 @register_policy_loss("vanilla")

@@ -33,6 +33,7 @@ from ketch.config.schema import (
     TrainerConfig,
     ValSamplingConfig,
 )
+from ketch.registry import ADV_ESTIMATORS, POLICY_LOSSES
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
@@ -302,15 +303,12 @@ def _reward_sources(c: KetchConfig) -> str | None:
 
 
 def _registered_algorithms(c: KetchConfig) -> str | None:
-    # ketch.algorithms imports no other ketch module, so the registries can be asked at load time
-    from ketch.algorithms import get_adv_estimator, get_policy_loss
-
-    for key, lookup, name in (
-        ("algorithm.adv_estimator", get_adv_estimator, c.algorithm.adv_estimator),
-        ("actor.policy_loss", get_policy_loss, c.actor.policy_loss),
+    for key, registry, name in (
+        ("algorithm.adv_estimator", ADV_ESTIMATORS, c.algorithm.adv_estimator),
+        ("actor.policy_loss", POLICY_LOSSES, c.actor.policy_loss),
     ):
         try:
-            lookup(name)
+            registry.check(name)
         except ValueError as err:
             return f"{key}={name}: {err}"
     return None

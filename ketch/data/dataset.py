@@ -19,7 +19,7 @@ from ketch.data.builtin.files import resolve_data_files
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
-from ketch.data.values import object_array
+from ketch.protocol import object_array
 
 _RESERVED_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt", "index", "source_row")
 

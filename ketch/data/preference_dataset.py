@@ -26,7 +26,7 @@ from ketch.data.chat_templates import format_prompt, get_chat_template, to_messa
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, within_limit
-from ketch.data.values import object_array
+from ketch.protocol import object_array
 
 logger = logging.getLogger("ketch.data")
 

@@ -27,7 +27,7 @@ from ketch.data.conversation import ChatRenderer, conversation_tokens, prompt_me
 from ketch.data.errors import DatasetError
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
-from ketch.data.values import object_array
+from ketch.protocol import object_array
 
 
 class SFTDataset(Dataset):

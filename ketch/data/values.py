@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
+# moved to ketch.protocol; re-exported for ketch/rollout/multi_turn/loop.py, which imports it from here
+from ketch.protocol import object_array as object_array
 
 
 def to_python(value: Any) -> Any:
@@ -19,11 +21,3 @@ def to_python(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [to_python(v) for v in value]
     return value
-
-
-def object_array(values: Sequence[Any]) -> np.ndarray:
-    """A 1-D numpy object array `[len(values)]` holding each value as one element (lists stay lists)."""
-    out = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        out[i] = value
-    return out

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from ketch.data.values import object_array
-from ketch.protocol import DataProto
+from ketch.protocol import DataProto, object_array
 from ketch.rewards.custom import load_reward_function
 from ketch.rewards.registry import UnknownDataSourceError, scorer_for
 

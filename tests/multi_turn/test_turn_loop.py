@@ -12,8 +12,7 @@ from ketch.config import load_config
 from ketch.data import DatasetError, RLHFDataset, SFTDataset, build_char_tokenizer
 from ketch.data.builtin.calculator import CALL, builtin_calculator_files, demonstration
 from ketch.data.chat_templates import CHAT_TEMPLATES
-from ketch.data.values import object_array
-from ketch.protocol import DataProto
+from ketch.protocol import DataProto, object_array
 from ketch.rewards import RewardScorer
 from ketch.rollout.base import Rollout, rollout_output
 from ketch.rollout.multi_turn import MultiTurnRollout, environment_factory, tool_schemas, turn_stop_strings
