@@ -6,9 +6,6 @@ from typing import Any
 
 import numpy as np
 
-# moved to ketch.protocol; re-exported for ketch/rollout/multi_turn/loop.py, which imports it from here
-from ketch.protocol import object_array as object_array
-
 
 def to_python(value: Any) -> Any:
     """`value` with numpy arrays turned into lists and numpy scalars into Python scalars, recursively."""

@@ -23,8 +23,7 @@ from torch import nn
 
 from ketch.config.schema import KetchConfig
 from ketch.data.conversation import ChatRenderer
-from ketch.data.values import object_array
-from ketch.protocol import DataProto
+from ketch.protocol import DataProto, object_array
 from ketch.rollout.base import Rollout
 from ketch.rollout.multi_turn.environment import Environment
 
