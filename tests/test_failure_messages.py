@@ -52,14 +52,15 @@ def test_doctor_counts_the_shards_of_a_data_directory(tmp_path, task_files):
     assert rows["data.train_files"].detail == "240 prompts in 3 file(s); data_source: ketch/arithmetic"
 
 
-def test_a_second_sft_run_in_one_directory_says_that_it_replaces_the_first_ones_steps(tiny_config, caplog):
+def test_a_second_sft_run_that_does_not_resume_says_that_it_replaces_the_first_ones_steps(tiny_config, caplog):
     config = tiny_config("trainer.total_steps=2")
     SFTTrainer(config, model_path=config.model.path).fit()
     run_dir = Path(config.trainer.default_local_dir) / config.trainer.experiment_name
+    again = tiny_config("trainer.total_steps=2", "trainer.resume_mode=disable")
     with caplog.at_level(logging.WARNING, logger="ketch"):
-        SFTTrainer(config, model_path=config.model.path).fit()
+        SFTTrainer(again, model_path=config.model.path).fit()
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        f"{run_dir / 'metrics.jsonl'} holds steps up to 2 of an earlier run; ketch sft does not resume, so this run "
+        f"{run_dir / 'metrics.jsonl'} holds steps up to 2 of an earlier run; trainer.resume_mode=disable, so this run "
         "starts again at step 1 and replaces them (set another trainer.experiment_name to keep both)"
     ]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]

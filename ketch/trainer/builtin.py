@@ -181,9 +181,10 @@ def _settings_hash(warmup: Warmup) -> str:
 
 def warmup_config(warmup: Warmup, start: Path | str, runs: Path | str, device: str, *overrides: str) -> KetchConfig:
     """The SFT config of `warmup` from the model at `start`, writing its run `warmup` under `runs` on `device`
-    (metrics to JSONL only), with `overrides` on top (a benchmark's variations of a warm-up)."""
+    (metrics to JSONL only; no validation before the first step, whose untrained model `Warmup.kept` would keep),
+    with `overrides` on top (a benchmark's variations of a warm-up)."""
     run = [f"model.path={start}", f"trainer.default_local_dir={runs}", "trainer.experiment_name=warmup"]
-    run += [f"trainer.device={device}", "trainer.logger=[jsonl]"]
+    run += [f"trainer.device={device}", "trainer.logger=[jsonl]", "trainer.val_before_train=false"]
     return load_config(overrides=[*warmup.overrides, *run, *overrides])
 
 

@@ -1,5 +1,6 @@
 """`TrainingLoop`: what every step of a run shares around the algorithm: logging, validation, checkpoints,
-resume, recovery from failed steps, and the export at the end. `PPOTrainer` supplies the step itself.
+resume, recovery from failed steps, the export at the end and the run report. `PPOTrainer` (RL), `SFTTrainer`
+and `RMTrainer` supply the step itself, what a checkpoint holds of their models and how their model is written.
 
 A failed step (a worker raising, out of memory, a worker process dying, a call timing out) is logged as
 an event; when the workers are still alive a checkpoint is saved first (`trainer.checkpoint_on_failure`);
@@ -25,6 +26,7 @@ from ketch.controller.errors import WorkerDiedError, WorkerError, describe, is_o
 from ketch.disk import write_error_cause
 from ketch.engine.export import ExportError
 from ketch.models import stop_token_ids
+from ketch.protocol import DataProto
 from ketch.report import write_report
 from ketch.report.summary import failure_place
 from ketch.tracking import Tracker, info
@@ -43,10 +45,16 @@ class RunFailedError(RuntimeError):
 
 
 class TrainingLoop:
-    """Subclasses set `config`, `run_dir`, `loader`, `total_steps`, `plan`, `tokenizer`, `val_set`,
-    `kl_ctrl` and implement `_build_groups`, `_warm_up()`, `_train_step(batch)` and `_validate()`."""
+    """Subclasses set `config`, `run_dir`, `loader`, `total_steps`, `step_size` and `val_set` (None: no validation)
+    and implement `_build_groups`, `_trained_roles`, `_train_step` and `_validate`; the other methods under "for
+    subclasses" have defaults. A trainer that writes the actor sets `model_path` and `tokenizer` too."""
 
     step = 0
+    step_size: str
+    """What one step trains on, for the start-up line: "64 samples", "128 rows"."""
+    tracker_step_lines = True
+    """The tracker prints the console line of a step with timings (PPO's); False: the trainer prints its own
+    (`_console_line`)."""
     val_history: list[dict[str, float]]
     failures: list[dict[str, Any]]
 
@@ -86,15 +94,28 @@ class TrainingLoop:
         while self.step < self.total_steps:
             step = self.step + 1
             metrics = self._train_step(self.loader.next_batch(), step)
-            if due(t.test_freq, step, self.total_steps) and self.val_set is not None:
+            validated = due(t.test_freq, step, self.total_steps) and self.val_set is not None
+            if validated:
                 metrics |= self._validate_and_log_samples(step)
             self.step, self.loader_state = step, self.loader.state_dict()
-            self.tracker.log(metrics, step)
-            if due(t.save_freq, step, self.total_steps) or step == self.total_steps:
+            self._log(metrics, step, validated)
+            stop = validated and self._stop_after(metrics)
+            if due(t.save_freq, step, self.total_steps) or step == self.total_steps or stop:
                 self._save_checkpoint()
             if step == first:  # what the first step built (compiled graphs) lasts: no collector scans it again
                 self.groups.freeze_long_lived()
+            if stop:
+                info(f"stopped early at step {step} of {self.total_steps}")
+                break
         return metrics
+
+    def _log(self, metrics: dict[str, float], step: int, validated: bool) -> None:
+        """Record the metrics of `step` (`metrics.jsonl`, the trackers); the trainer's own console line
+        (`_console_line`), when it has one, every `trainer.log_interval` steps and at each validation."""
+        self.tracker.log(metrics, step)
+        line = self._console_line(step, metrics)
+        if line is not None and (validated or step % self.config.trainer.log_interval == 0):
+            info(line, self.tracker.bar)
 
     def _validate_and_log_samples(self, step: int) -> dict[str, float]:
         """Validate; the responses to the first `trainer.val_samples_to_log` prompts go to `samples.jsonl`."""
@@ -103,6 +124,7 @@ class TrainingLoop:
         except Exception as err:
             err.step = step  # step 0's validation fails before step 1 starts
             raise
+        self.val_history.append({"step": step, **metrics})
         keep = self.config.trainer.val_samples_to_log
         self.tracker.log_samples([r for r in getattr(metrics, "samples", []) if r["prompt_id"] < keep], step)
         return metrics
@@ -119,7 +141,7 @@ class TrainingLoop:
                 self.checkpoints = CheckpointManager(
                     self.run_dir / "checkpoints", c.trainer.max_checkpoints_to_keep, c.trainer.checkpoint_remote_dir
                 )
-                self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps)
+                self.tracker = Tracker.for_run(self.run_dir, to_dict(c), self.total_steps, self.tracker_step_lines)
                 self.failures = []
                 self.groups = self._build_groups()
                 self._resume(self._checkpoint_to_resume())
@@ -129,10 +151,7 @@ class TrainingLoop:
                 if getattr(self, "tracker", None) is not None:
                     self.tracker.close(failed=True)
                 raise
-        info(
-            f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of "
-            f"{self.plan.sequences_per_step} samples"
-        )
+        info(f"run directory: {self.run_dir}; steps {self.step + 1}..{self.total_steps} of {self.step_size}")
 
     def _checkpoint_to_resume(self) -> Path | None:
         """The checkpoint `trainer.resume_mode` names; a start from step 1 over an earlier run's steps says that it
@@ -151,14 +170,11 @@ class TrainingLoop:
             self.tracker.truncate_after(-1)
             return
         state = read_trainer_state(checkpoint)
-        self.groups.actor_rollout.load_checkpoint(str(checkpoint.resolve() / "actor"))
-        if self.groups.critic is not None:
-            self.groups.critic.load_checkpoint(str(checkpoint.resolve() / "critic"))
+        for name, group in self._trained_roles().items():
+            group.load_checkpoint(str(checkpoint.resolve() / name))
         self.step, self.val_history = state["global_step"], state["val_history"]
         self.loader.load_state_dict(state["loader"])
         self.loader_state = self.loader.state_dict()
-        if self.kl_ctrl is not None:
-            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self._load_extra_state(state, checkpoint)
         self.tracker.truncate_after(self.step)
         self.tracker.event("resume", step=self.step, checkpoint=str(checkpoint))
@@ -173,16 +189,16 @@ class TrainingLoop:
         """Checkpoint the state after the last completed step (`self.loader_state` is the data position)."""
         staging = self.checkpoints.staging_dir(self.step)
         try:
-            self.groups.actor_rollout.save_checkpoint(str(staging / "actor"))
-            if self.groups.critic is not None:
-                self.groups.critic.save_checkpoint(str(staging / "critic"))
-            (staging / "vllm_engine_config.json").write_text(json.dumps(self.engine_config(), indent=2))
+            roles = self._trained_roles()
+            for name, group in roles.items():
+                group.save_checkpoint(str(staging / name))
+            if "actor" in roles:  # what `ketch export` writes beside the actor's weights
+                (staging / "vllm_engine_config.json").write_text(json.dumps(self.engine_config(), indent=2))
             state = {
                 "global_step": self.step,
                 "loader": self.loader_state,
-                "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                 "val_history": self.val_history,
-                "world_size": self.plan.world_size,
+                "world_size": self.config.world_size(torch.cuda.is_available()),
                 **self._extra_state(staging),
             }
             path = self.checkpoints.commit(staging, self.step, state, to_dict(self.config))
@@ -291,10 +307,11 @@ class TrainingLoop:
 
     # ----------------------------------------------------------------- the end
     def _export(self) -> Path:
-        """Write the actor as `<run dir>/model` (see `write_hf_directory`: a failed write leaves no `model/`)."""
+        """Write the trained model as `<run dir>/model` (`_write_model`; see `write_hf_directory`: a failed write
+        leaves no `model/`)."""
         model_dir = (self.run_dir / "model").resolve()
         try:
-            self.groups.actor_rollout.save_pretrained(str(model_dir), self.engine_config())
+            self._write_model(model_dir)
         except WorkerError as err:
             if not isinstance(err.cause, ExportError):
                 raise
@@ -332,27 +349,52 @@ class TrainingLoop:
         lines = [f"finished {self.step} steps; run directory {self.run_dir}"]
         if self.val_history:
             first, last = self.val_history[0], self.val_history[-1]
-            for key in (k for k in last if k.endswith("/acc")):
+            for key in (k for k in last if k.endswith("acc")):
                 lines.append(f"{key}: {first.get(key, float('nan')):.3f} (step {first['step']}) -> {last[key]:.3f}")
         if "critic/score/mean" in metrics:
             lines.append(f"reward (mean score) at the last step: {metrics['critic/score/mean']:.3f}")
         latest = self.checkpoints.latest()
         lines.append(f"metrics: {self.run_dir / 'metrics.jsonl'}; checkpoint: {latest}")
-        lines.append(f"model: {self.run_dir / 'model'} (serve it with: ketch serve {self.run_dir / 'model'})")
+        lines.append(self._model_line(self.run_dir / "model"))
         return "\n".join(lines)
 
     # ----------------------------------------------------------------- for subclasses
     def _build_groups(self) -> WorkerGroups:
+        """Start the workers and load their models (at the start and again after a failure)."""
         raise NotImplementedError
 
-    def _warm_up(self) -> None:
+    def _trained_roles(self) -> dict[str, Any]:
+        """The groups whose models and optimizers a checkpoint holds, by their directory in it (`actor`, `critic`,
+        `reward_model`: the roles of `ketch export --role`)."""
         raise NotImplementedError
 
-    def _train_step(self, batch, step: int) -> dict[str, float]:
+    def _train_step(self, batch: DataProto, step: int) -> dict[str, float]:
+        """Train on `batch` (a step's rows from `loader`); returns the step's metrics."""
         raise NotImplementedError
 
     def _validate(self, step: int) -> dict[str, float]:
+        """The validation metrics after `step` (0: before the first), `val/...`."""
         raise NotImplementedError
+
+    def _warm_up(self) -> None:
+        """Get ready for the first step to come, outside its timings (PPO's rollout); by default nothing."""
+
+    def _write_model(self, model_dir: Path) -> None:
+        """Write the trained model as a Hugging Face directory `model_dir`: by default the actor, with the run's
+        rollout settings (`engine_config`)."""
+        self.groups.actor_rollout.save_pretrained(str(model_dir), self.engine_config())
+
+    def _model_line(self, model_dir: Path) -> str:
+        """The summary's last line: where the model is and what it is for."""
+        return f"model: {model_dir} (serve it with: ketch serve {model_dir})"
+
+    def _console_line(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The trainer's own console line for the metrics of `step`; None: the tracker's (`tracker_step_lines`)."""
+        return None
+
+    def _stop_after(self, metrics: dict[str, float]) -> bool:
+        """Whether training ends at the validated step of `metrics`, before `total_steps` (SFT's `stop_when`)."""
+        return False
 
     def _extra_state(self, directory: Path) -> dict[str, Any]:
         """More driver-side state to save in `trainer_state.json` (e.g. running reward statistics); what is too large

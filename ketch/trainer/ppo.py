@@ -28,14 +28,11 @@ from ketch.algorithms import (
 )
 from ketch.config import ConfigError, KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
-from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
 from ketch.data.loader import PromptLoader
 from ketch.engine.lora import check_lora
-from ketch.engine.megatron.weights import check_supported
-from ketch.models import check_causal_lm, check_tokenizer_fits, check_value_head, load_model_config, load_tokenizer
-from ketch.preflight import preflight
+from ketch.models import check_value_head, load_model_config
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.rollout.multi_turn.metrics import ToolFailureWatch
@@ -48,6 +45,7 @@ from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fr
 from ketch.trainer.mismatch_guard import check, family_name, measure_forwards
 from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts
 from ketch.trainer.standalone_rollout import StandaloneRollout
+from ketch.trainer.startup import check_start
 from ketch.trainer.validation import generate_and_score, generation_inputs
 
 logger = logging.getLogger("ketch")
@@ -58,33 +56,14 @@ class PPOTrainer(TrainingLoop):
 
     def __init__(self, config: KetchConfig):
         self.config = c = config
-        preflight(c, RLHFDataset.required_columns(c.data), scored=True)  # what can fail before any model is built
-        self.reward = RewardScorer(None, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
-        get_adv_estimator(c.algorithm.adv_estimator)  # an unknown estimator fails here, before any work
-        self.mixer = RewardMixer(c.reward.source_weights, c.reward.clip, c.reward.normalize)
-        self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
-        self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
-        if self.reward_model_path is not None:  # a bad reward model path fails before any work
-            load_model_config(self.reward_model_path, c.model.trust_remote_code)
-        self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
-        self.model_path = resolve_model_path(c)  # a built-in model is warmed up here, on its first use
-        model_config = load_model_config(self.model_path, c.model.trust_remote_code)  # a bad path fails here
-        check_causal_lm(model_config, c.model.path)
-        self.family, self.mismatch_checked = family_name(model_config), False
-        if c.use_critic:  # a backbone without a value-head class fails here, not in the critic's worker
-            key = "critic.model_path" if c.critic.model_path else "model.path"
-            path = c.critic.model_path or self.model_path
-            check_value_head(load_model_config(path, c.model.trust_remote_code), f"{key}={path}")
-        check_megatron_start(c, model_config, torch.cuda.is_available())
-        check_rollout_start(c, model_config)
-        if megatron_roles(c):
-            check_supported(model_config)
-        self._check_lora(model_config)
-        self.tokenizer = load_tokenizer(
-            c.model.tokenizer_path or self.model_path, c.model.trust_remote_code, self.model_path
-        )
-        check_tokenizer_fits(self.tokenizer, model_config, self.model_path, c.model.tokenizer_path)
+        columns = RLHFDataset.required_columns(c.data)
+        model = check_start(c, columns, resolve_model_path, scored=True, settings=self._check_settings)
+        self.model_path, self.tokenizer = model.path, model.tokenizer
+        self.family, self.mismatch_checked = family_name(model.config), False
+        self._check_critic(model.config)
         self.reward.tokenizer = self.tokenizer
+        self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
+        self.step_size = f"{self.plan.sequences_per_step} samples"
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
@@ -98,20 +77,36 @@ class PPOTrainer(TrainingLoop):
         partial = c.rollout.partial.enable
         self.partial = PartialRollouts(c, pad_token_id(self.tokenizer)) if partial else None
 
-    def _check_lora(self, model_config) -> None:
-        """LoRA settings that cannot apply to their models stop the run here (`check_lora`), before any worker."""
+    def _check_settings(self) -> None:
+        """PPO's own start-up checks of the config, before the model is resolved (`check_start`): the reward
+        function and the estimator exist, the batch sizes divide, the reward model's path holds a model (and
+        takes no LoRA: it is frozen)."""
         c = self.config
-        if c.actor.lora.enabled:
-            check_lora("actor.lora", c.actor.lora, model_config, c.model.trust_remote_code)
-        if c.use_critic and c.critic.lora.enabled:
-            critic_path = c.critic.model_path and local_or_hub(c.critic.model_path)
-            critic_config = load_model_config(critic_path, c.model.trust_remote_code) if critic_path else model_config
-            check_lora("critic.lora", c.critic.lora, critic_config, c.model.trust_remote_code)
         if c.reward.model.lora.enabled:
             raise ConfigError(
                 "reward.model.lora trains a reward model's adapters in `ketch rm`; PPO's reward model is frozen: give "
                 "reward.model.path the merged model/ that `ketch rm` wrote"
             )
+        self.reward = RewardScorer(None, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
+        get_adv_estimator(c.algorithm.adv_estimator)
+        self.mixer = RewardMixer(c.reward.source_weights, c.reward.clip, c.reward.normalize)
+        self.plan = derive_batch_plan(c, world_size=c.world_size(torch.cuda.is_available()))
+        self.reward_model_path = local_or_hub(c.reward.model.path) if c.reward.model.path else None
+        if self.reward_model_path is not None:
+            load_model_config(self.reward_model_path, c.model.trust_remote_code)
+
+    def _check_critic(self, model_config) -> None:
+        """A critic needs a value head and LoRA settings that apply to it: else the run stops here
+        (`check_value_head`, `check_lora`), before any worker."""
+        c = self.config
+        if c.use_critic:
+            key = "critic.model_path" if c.critic.model_path else "model.path"
+            path = c.critic.model_path or self.model_path
+            check_value_head(load_model_config(path, c.model.trust_remote_code), f"{key}={path}")
+        if c.use_critic and c.critic.lora.enabled:
+            critic_path = c.critic.model_path and local_or_hub(c.critic.model_path)
+            critic_config = load_model_config(critic_path, c.model.trust_remote_code) if critic_path else model_config
+            check_lora("critic.lora", c.critic.lora, critic_config, c.model.trust_remote_code)
 
     def _build_groups(self) -> WorkerGroups:
         p, steps = self.plan, self.total_steps
@@ -350,9 +345,7 @@ class PPOTrainer(TrainingLoop):
     def _validate(self, step: int) -> dict[str, float]:
         """Generate on the validation set (greedy unless rollout.val.do_sample) and score it."""
         c = self.config
-        metrics = generate_and_score(self.generator, self.val_set, self.reward, c.rollout.val, c.data.val_batch_size)
-        self.val_history.append({"step": step, **metrics})
-        return metrics
+        return generate_and_score(self.generator, self.val_set, self.reward, c.rollout.val, c.data.val_batch_size)
 
     def _resume(self, checkpoint: Path | None) -> None:
         """Restore the run from `checkpoint` (see `TrainingLoop`); a standalone rollout then gets the weights."""
@@ -362,12 +355,18 @@ class PPOTrainer(TrainingLoop):
         if checkpoint is not None and self.standalone is not None:
             self.standalone.send_weights()
 
+    def _trained_roles(self) -> dict:
+        return {"actor": self.groups.actor_rollout} | ({"critic": self.groups.critic} if self.config.use_critic else {})
+
     def _extra_state(self, directory: Path) -> dict:
         if self.partial is not None:
             self.partial.save(directory / PARTIAL_FILE, self.step)
-        return {"reward_mixer": self.mixer.state_dict()}
+        kl_ctrl = self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None
+        return {"kl_ctrl": kl_ctrl, "reward_mixer": self.mixer.state_dict()}
 
     def _load_extra_state(self, state: dict, checkpoint: Path) -> None:
+        if self.kl_ctrl is not None:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.mixer.load_state_dict(state.get("reward_mixer") or {})
         if self.partial is not None:
             self.partial.load(checkpoint / PARTIAL_FILE)
