@@ -1,8 +1,8 @@
 """The configuration reference page (docs/reference/config.md), generated from the schema.
 
 Every key of `KetchConfig` with its type, default, allowed range (`RANGES`), the defaults of the commands and
-of the built-in run where they differ, and the doc text written under the field in `schema.py` (read from the
-source: a dataclass keeps no attribute docstrings at run time).
+of the built-in run where they differ, and the doc text written under the field in the schema's modules
+(`schema.py` and `sections/`; read from the source: a dataclass keeps no attribute docstrings at run time).
 
     make reference                              # python -m ketch.config.reference docs/reference/config.md
     python -m ketch.config.reference            # print the page
@@ -24,10 +24,17 @@ import yaml
 
 from ketch.config import schema
 from ketch.config.loader import load_config
+from ketch.config.sections import algorithm, model, reward, roles, rollout, trainer
 from ketch.config.validate import RANGES
 
 PAGE = Path("docs/reference/config.md")
 REGENERATE = "make reference"
+SCHEMA_MODULES = (schema, model, roles, rollout, reward, algorithm, trainer)
+
+
+def schema_source() -> str:
+    """The source of the schema's modules, one after the other."""
+    return "\n".join(inspect.getsource(module) for module in SCHEMA_MODULES)
 
 
 def field_docs(source: str) -> dict[tuple[str, str], str]:
@@ -140,14 +147,14 @@ def range_text(key: Key) -> str:
 
 
 def render() -> str:
-    """The whole reference page, from `schema.py` as installed."""
-    source = inspect.getsource(schema)
+    """The whole reference page, from the schema as installed."""
+    source = schema_source()
     every, intros = keys(field_docs(source)), class_docs(source)
     differs = other_defaults([key.path for key in every if not _is_section(key)])
     lines = [
         "# Configuration reference",
         "",
-        f"Generated from `ketch/config/schema.py` by `{REGENERATE}`; do not edit it by hand (a test",
+        f"Generated from `ketch/config/schema.py` and `sections/` by `{REGENERATE}`; do not edit it by hand (a test",
         "checks that it is current). Set a key on the command line as `key.path=value` or `--key.path value`, or in",
         "a YAML file of sections given with `--config-path`; `ketch config show` prints the resolved configuration.",
         "",
