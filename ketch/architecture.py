@@ -28,6 +28,9 @@ class Family:
     split by output rows, `o_proj`/`down_proj` by input columns, no norm over all heads at once."""
     megatron: bool = False
     """`engine/megatron/weights.py` maps its weights to Megatron-Core's GPT model."""
+    fixed_shape_experts: bool = False
+    """A mixture of experts whose experts the static decoder computes with fixed shapes (`rollout/moe_decode.py`),
+    so that its decode step can be captured into a CUDA graph."""
 
 
 FAMILIES: dict[str, Family] = {
@@ -38,10 +41,10 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family(tensor_parallel=True),
     "gemma3_text": Family(tensor_parallel=True),
     "granite": Family(tensor_parallel=True),
-    "mixtral": Family(),
-    "qwen2_moe": Family(),
-    "qwen3_moe": Family(),
-    "olmoe": Family(),
+    "mixtral": Family(fixed_shape_experts=True),
+    "qwen2_moe": Family(fixed_shape_experts=True),
+    "qwen3_moe": Family(fixed_shape_experts=True),
+    "olmoe": Family(fixed_shape_experts=True),
     "gemma2": Family(),
     "olmo2": Family(),
     "phi": Family(),
@@ -51,8 +54,8 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family(),
     "gpt_neox": Family(),
     "gpt2": Family(),
-    "gpt_oss": Family(),
-    "deepseek_v3": Family(),
+    "gpt_oss": Family(fixed_shape_experts=True),
+    "deepseek_v3": Family(fixed_shape_experts=True),
     "lfm2": Family(),
     "llama4_text": Family(),
     "apertus": Family(),
@@ -370,8 +373,12 @@ def compile_problem(config: Any, dtype: torch.dtype) -> str | None:
 
 def cuda_graph_problem(config: Any) -> str | None:
     """Why the static decoder's step cannot be captured into a CUDA graph for the model of `config`, or None: a
-    mixture of experts dispatches its tokens to the experts with waits for the GPU (transformers' expert loops)."""
-    return "its experts dispatch tokens with host synchronisation" if router(config) is not None else None
+    mixture of experts outside the families whose experts the decoder computes with fixed shapes
+    (`Family.fixed_shape_experts`) dispatches its tokens with waits for the GPU (transformers' expert loops)."""
+    if router(config) is None or family(config).fixed_shape_experts:
+        return None
+    known = ", ".join(name for name, f in FAMILIES.items() if f.fixed_shape_experts)
+    return f"its experts dispatch tokens with host synchronisation (fixed-shape experts: {known})"
 
 
 def tensor_parallel_problems(size: int, config: Any) -> list[str]:

@@ -6,8 +6,9 @@ the GPU every token, and hundreds of kernel launches per layer stack. Here the K
 stays on the device, and the host looks at the tokens only every `CHECK_EVERY` steps to stop early when every
 row has finished; at those checks it also hands the rows their cache pages (`kv_pages.py`: a row holds the slots it
 has reached, a finished row none). Attention of the one new token reads the KV cache once per key/value head
-(`decode_attention.py`), not once per query head, and Llama-style layers compute q/k/v and gate/up with one
-matmul each (`fused_projections.py`).
+(`decode_attention.py`), not once per query head, Llama-style layers compute q/k/v and gate/up with one
+matmul each (`fused_projections.py`), and the experts of mixtures of experts compute with fixed shapes and no wait
+for the GPU (`moe_decode.py`).
 
 Compiled (on GPUs), each transformer block is compiled with torch.compile, and the blocks share one graph: the
 block's parameters and its KV cache are inputs of the graph, so dynamo traces one block, not the whole layer
@@ -43,6 +44,7 @@ from ketch.models.router_replay import ExpertRouting, compact_dtype
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.fused_projections import fuse_projections
 from ketch.rollout.kv_pages import KVPages
+from ketch.rollout.moe_decode import decoding, use_fixed_shape_experts
 from ketch.rollout.sampling import Sampling, compiled_sampler
 
 logger = logging.getLogger("ketch.rollout")
@@ -199,12 +201,15 @@ class StaticDecoder:
         self.attentions = [block_attention(block) for block in self.blocks]
         self.shape = attention_shape(model.config)
         fuse_projections(self.blocks)
+        other_experts = use_fixed_shape_experts(self.blocks)
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
         self.seen: set[tuple] = set()  # shapes (and shapes with a sampling key) decoded before: logged once
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.step = self._step
         self.compiled = compile_step
         no_graph = cuda_graph_problem(model.config) if compile_step else None
+        if compile_step and not no_graph and other_experts:
+            no_graph = f"its experts ({', '.join(other_experts)}) are not of a layout with fixed-shape decoding"
         self.capture = compile_step and no_graph is None
         if no_graph and next(model.parameters()).is_cuda:
             logger.info("%s decodes compiled, without CUDA graphs: %s", type(model).__name__, no_graph)
@@ -305,8 +310,10 @@ class StaticDecoder:
         b.slot.copy_(slot)
 
     def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
-        """One token: the decode step of `b.tokens`, then `_record` of the token after it."""
-        logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
+        """One token: the decode step of `b.tokens` (experts of fixed shapes: `moe_decode.decoding`), then `_record`
+        of the token after it."""
+        with decoding():
+            logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
         b.positions.add_(1)
         self._record(b, logits, sampling, is_stop, pad)
 
