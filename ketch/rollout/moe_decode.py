@@ -26,16 +26,11 @@ The layouts (from transformers' `use_experts_implementation`): `gate_up_proj` `[
 
 from __future__ import annotations
 
+import importlib
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 GATHER_READS = 3
 """How many times gathering reads (or writes) each chosen expert's matrices: the gather's read, its copy, the
@@ -113,10 +108,31 @@ class FixedShapeExperts:
         return compute(self, hidden_states, top_k_index, top_k_weights)
 
 
-EXPERTS = {
-    family: type(f"FixedShape{family.__name__}", (FixedShapeExperts, family), {})
-    for family in (Qwen2MoeExperts, Qwen3MoeExperts, MixtralExperts, OlmoeExperts, DeepseekV3Experts, GptOssExperts)
+CHECKED = {
+    "qwen2_moe": "Qwen2MoeExperts",
+    "qwen3_moe": "Qwen3MoeExperts",
+    "mixtral": "MixtralExperts",
+    "olmoe": "OlmoeExperts",
+    "deepseek_v3": "DeepseekV3Experts",
+    "gpt_oss": "GptOssExperts",
 }
+"""The model types, and their experts classes, whose layout `gathered` and `dense` read."""
+
+
+def _fixed_shape_classes() -> dict[type, type]:
+    """Each checked experts class that the installed transformers has, in the layout read here (its experts in
+    3-D weights, `use_experts_implementation`: transformers 5), with its class that mixes `FixedShapeExperts` in.
+    An older transformers keeps its own experts, and the decoder its step out of CUDA graphs."""
+    found = {}
+    for model_type, name in CHECKED.items():
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        family = getattr(module, name, None)
+        if family is not None and hasattr(family, "_apply_gate"):
+            found[family] = type(f"FixedShape{name}", (FixedShapeExperts, family), {})
+    return found
+
+
+EXPERTS = _fixed_shape_classes()
 """The experts classes whose layout `gathered` and `dense` read, each with its class that mixes them in."""
 
 
