@@ -1,5 +1,6 @@
-"""Checks of the training strategy (`actor.strategy`, `critic.strategy`), Megatron model parallelism and the
-tensor-parallel rollout (`rollout.tensor_parallel_size`; the model's head counts are checked when it is built).
+"""Checks of the training strategy (`actor.strategy`, `critic.strategy`), Megatron model parallelism, the
+tensor-parallel rollout (`rollout.tensor_parallel_size`; the model's head counts are checked when it is built) and
+the FP8 rollout's device (`rollout.quantization`).
 
 `megatron_problems` needs the config alone and runs with the other checks when the config loads;
 `check_megatron_start` also needs the model's Hugging Face config and this machine (megatron-core installed,
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 from typing import Any
+
+import torch
 
 from ketch.architecture import attention_shape, router, tensor_parallel_problems
 from ketch.config.errors import raise_problems
@@ -88,6 +91,8 @@ def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
     """What `check_rollout_start` raises, one line a problem."""
     r = config.rollout
     problems = tensor_parallel_problems(r.tensor_parallel_size, model_config) if r.name == "hf" else []
+    if problem := fp8_rollout_problem(config, torch.cuda.is_available()):
+        problems.append(problem)
     if config.actor.router_replay != "off" and router(model_config) is None:
         problems.append(
             f"actor.router_replay={config.actor.router_replay} replays a mixture of experts' routing, and "
@@ -95,6 +100,26 @@ def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
             "actor.router_replay=off"
         )
     return problems
+
+
+def fp8_rollout_problem(config: KetchConfig, gpu_visible: bool) -> str | None:
+    """Why `rollout.quantization=fp8` cannot decode here: the CPU, or (hf rollout) a GPU older than compute
+    capability 8.9, which has no FP8 matmuls (vLLM picks its own FP8 kernels)."""
+    if config.rollout.quantization != "fp8":
+        return None
+    if not config.uses_gpu(gpu_visible):
+        return (
+            "rollout.quantization=fp8 decodes with FP8 matmuls on GPUs, and this run decodes on the CPU "
+            "(trainer.device): set rollout.quantization=none"
+        )
+    capability = torch.cuda.get_device_capability()
+    if config.rollout.name == "hf" and capability < (8, 9):
+        return (
+            f"rollout.quantization=fp8 needs FP8 matmuls (compute capability 8.9 or newer: Ada, Hopper, Blackwell), "
+            f"and this GPU, {torch.cuda.get_device_name()}, has compute capability {capability[0]}.{capability[1]}: "
+            "set rollout.quantization=none"
+        )
+    return None
 
 
 def sequence_parallel_problem(size: int, model_config: Any) -> str | None:

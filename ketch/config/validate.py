@@ -389,6 +389,16 @@ def _rollout_is(c: KetchConfig) -> str | None:
     return None
 
 
+def _quantization(c: KetchConfig) -> str | None:
+    if c.rollout.quantization == "fp8" and c.actor.rollout_is is None:
+        return (
+            "rollout.quantization=fp8 samples from FP8-rounded weights, whose log-probs differ from the trained "
+            "model's; truncated importance sampling against the rollout's log-probs corrects it: set "
+            "actor.rollout_is=token"
+        )
+    return None
+
+
 def _dapo(c: KetchConfig) -> str | None:
     f, o = c.algorithm.filter_groups, c.reward.overlong_buffer
     if f.enable and (c.rollout.n < 2 or not c.rollout.do_sample):
@@ -463,4 +473,4 @@ def _lora(c: KetchConfig) -> str | None:
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
-_CHECKS += (_sequence_parallel, partial_rollout_problem, _router_replay)
+_CHECKS += (_sequence_parallel, partial_rollout_problem, _router_replay, _quantization)

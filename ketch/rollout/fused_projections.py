@@ -5,7 +5,8 @@ whatever its size: Llama-style layers spend three launches on the query, key and
 the MLP's gate and up projections. `fuse_projections` concatenates each group's weights into one tensor and
 makes the projections' own parameters views of it: the parameters keep their names, and a weight copied into one
 of them (the rollout's weight update) lands in the fused tensor. The attention and MLP modules then become
-subclasses whose forward does one matmul per group and splits its output. Layers of other architectures keep
+subclasses whose forward does one matmul per group (in FP8 where `fp8.FP8Projections` gave the group an FP8 copy,
+`qkv_fp8` / `gate_up_fp8`) and splits its output. Layers of other architectures keep
 their own forward.
 """
 
@@ -20,6 +21,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from ketch.architecture import block_attention
 from ketch.rollout.decode_attention import cached_attention
+from ketch.rollout.fp8 import linear
 
 
 def fused_attention_forward(
@@ -33,7 +35,7 @@ def fused_attention_forward(
     v (Qwen3 then normalizes each query and key head), through the static decoder's `cached_attention`; returns
     `[batch, new, hidden]`."""
     batch_new = hidden_states.shape[:-1]
-    qkv = nn.functional.linear(hidden_states, attention.qkv_weight, attention.qkv_bias)
+    qkv = linear(hidden_states, attention.qkv_weight, attention.qkv_bias, attention.qkv_fp8)
     query, key, value = (part.view(*batch_new, -1, attention.head_dim) for part in qkv.split(attention.qkv_sizes, -1))
     if hasattr(attention, "q_norm"):
         query, key = attention.q_norm(query), attention.k_norm(key)
@@ -47,7 +49,7 @@ def fused_attention_forward(
 
 def fused_mlp_forward(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`down_proj(act_fn(gate) * up)` with gate and up from one matmul; `x` `[..., hidden]`."""
-    gate, up = nn.functional.linear(x, mlp.gate_up_weight).chunk(2, dim=-1)
+    gate, up = linear(x, mlp.gate_up_weight, None, mlp.gate_up_fp8).chunk(2, dim=-1)
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
@@ -112,12 +114,14 @@ def fuse_projections(blocks: list[nn.Module]) -> int:
             fused_class, sliding_window = ATTENTIONS[type(attention)]
             attention.qkv_sizes = [p.weight.shape[0] for p in projections]
             attention.qkv_weight, attention.qkv_bias = _concatenate(projections)
+            attention.qkv_fp8 = None
             window = sliding_window(attention)
             attention.window = {} if window is None else {"sliding_window": window}
             attention.__class__ = fused_class
             fused += 1
         if type(mlp) in MLPS and mlp.gate_proj.bias is None and mlp.up_proj.bias is None:
             mlp.gate_up_weight, _ = _concatenate([mlp.gate_proj, mlp.up_proj])
+            mlp.gate_up_fp8 = None
             mlp.__class__ = MLPS[type(mlp)]
             fused += 1
     return fused

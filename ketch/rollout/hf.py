@@ -11,12 +11,13 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ketch.architecture import static_decoding_problem
+from ketch.architecture import decoder_blocks, static_decoding_problem
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
 from ketch.models.router_replay import ExpertRouting
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
+from ketch.rollout.fp8 import FP8Projections
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
@@ -51,6 +52,8 @@ class HFRollout(Rollout):
         compiled = device.type == "cuda"
         longest = config.data.max_prompt_length
         self.decoder = StaticDecoder(self.model, compiled, longest_prompt=longest) if static else None
+        fp8 = config.rollout.quantization == "fp8"
+        self.fp8 = FP8Projections(decoder_blocks(self.model)) if fp8 else None
         self.routing = ExpertRouting(self.model).attach() if config.actor.router_replay != "off" else None
         if self.decoder is not None:
             self.decoder.routing = self.routing
@@ -198,7 +201,8 @@ class HFRollout(Rollout):
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each full tensor (or, with tensor parallelism, this rank's shard of it) into the model; weights
-        that `sleep` dropped get their memory back first (every one of them is then overwritten)."""
+        that `sleep` dropped get their memory back first (every one of them is then overwritten). With
+        `rollout.quantization=fp8` the projections' FP8 copies are then made again from them."""
         for storage, size in self.dropped:
             storage.resize_(size)
         self.dropped = []
@@ -207,6 +211,8 @@ class HFRollout(Rollout):
             if name not in params:
                 raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")
             params[name].copy_(self.tp.shard(name, tensor) if self.tp else tensor)
+        if self.fp8 is not None:
+            self.fp8.refresh()
 
 
 def rows_per_batch(max_num_batched_tokens: int | None, prompt_length: int, max_response_length: int) -> int | None:

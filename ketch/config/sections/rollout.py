@@ -101,6 +101,12 @@ class RolloutConfig:
     """vLLM: skip CUDA graphs (faster start, slower decoding)."""
     enable_prefix_caching: bool = True
     """vLLM: reuse the KV cache of shared prompt prefixes (the n samples of a prompt)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """fp8: the rollout decodes with its projections' weights in float8 e4m3 (one scale per output channel, made
+    again at each hand-off; the lm head and norms stay bf16), which halves the weight traffic of a decode step on
+    GPUs with FP8 matmuls (compute capability 8.9 or newer); the trained weights stay bf16. The rollout's log-probs
+    then differ from the trained model's: set actor.rollout_is=token to correct for it. vLLM: its own
+    quantization="fp8"."""
     check_weight_sync: bool = False
     """Debug: after each weight hand-off, compare one weight's norm in the rollout engine with the actor's."""
     free_memory_while_training: bool = False
