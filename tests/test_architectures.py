@@ -293,7 +293,7 @@ def test_router_outputs_read_each_form_of_transformers_record():
 def test_a_model_without_weights_gets_the_same_answers_as_the_loaded_one():
     """`ketch doctor` asks about a model on the meta device: the probe of keyword arguments runs there too (GPT-2's
     forward stops before its attention without weights, and counts as passing them on, as it does when loaded)."""
-    from ketch.doctor_config import meta_model
+    from ketch.doctor.config_checks import meta_model
     from ketch.models.tiny import tiny_family_config
 
     tokenizer = build_char_tokenizer()

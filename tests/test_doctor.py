@@ -15,7 +15,8 @@ from packaging.version import Version
 
 from ketch.cli import main
 from ketch.config import load_config
-from ketch.doctor import _cache, _gpus_per_node, format_table, run_checks
+from ketch.doctor import format_table, run_checks
+from ketch.doctor.checks import _cache, _gpus_per_node
 from ketch.rollout.vllm_adapter import installed_version, is_supported
 
 

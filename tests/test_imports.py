@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
 subpackage (`engine/megatron/` is part of `engine`), a subpackage of one (`rollout/multi_turn`) or a root module,
 `ketch/__init__.py` its own."""
 
-SHARES_A_LAYER = {"tracking_backends": "tracking", "doctor_config": "doctor", "__main__": "cli"}
+SHARES_A_LAYER = {"__main__": "cli"}
 """Root modules that belong to another's layer (one row of the table)."""
 
 
@@ -74,7 +74,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def layer(module: str) -> str:
-    """The layer of `module` (`ketch.rollout.multi_turn.loop` -> `rollout/multi_turn`, `ketch.doctor_config` ->
+    """The layer of `module` (`ketch.rollout.multi_turn.loop` -> `rollout/multi_turn`, `ketch.doctor.config_checks` ->
     `doctor`)."""
     parts = module.split(".")[1:] or ["__init__"]
     if "/".join(parts[:2]) in ALLOWED:

@@ -8,7 +8,7 @@ from transformers import Gemma2Config, Qwen2Config
 
 from ketch.config import load_config
 from ketch.config.memory import gpu_memory_parts
-from ketch.doctor_config import memory_row, meta_model
+from ketch.doctor.config_checks import memory_row, meta_model
 
 GIB = 2**30
 QWEN25_7B = Qwen2Config(

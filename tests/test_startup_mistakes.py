@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from ketch.config import ConfigError, load_config
 from ketch.controller.errors import HOST_MEMORY_FIX
 from ketch.doctor import run_checks
-from ketch.doctor_config import host_memory_row
+from ketch.doctor.config_checks import host_memory_row
 
 
 def start(capsys, tmp_path, task_files, *overrides: str) -> str:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ketch.tracking import Tracker, TrackerError, read_metrics, read_records
-from ketch.tracking_backends import mlflow_key
+from ketch.tracking.backends import mlflow_key
 
 STEPS = {1: {"critic/score/mean": 0.25, "val/a/pass@4": 0.5}, 2: {"critic/score/mean": 0.75, "val/a/pass@4": 1.0}}
 

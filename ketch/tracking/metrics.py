@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ketch.tracking_backends import BACKENDS, Backend, TrackerError
+from ketch.tracking.backends import BACKENDS, Backend, TrackerError
 
 __all__ = ["Tracker", "TrackerError", "format_step_line", "info", "read_metrics", "read_records"]
 

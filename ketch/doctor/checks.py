@@ -37,7 +37,7 @@ from ketch.preflight import (
     tools_row,
     vllm_row,
 )
-from ketch.tracking_backends import TRACKER_MODULES, install_hint
+from ketch.tracking.backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
 MIN_FREE_DISK_GIB = 10
@@ -239,10 +239,10 @@ def _trackers(config: KetchConfig) -> Check:
 
 def _config_rows(config: KetchConfig) -> list[Check]:
     """The model, the data files, the batch sizes, the model's code paths, the parallelism and the GPU memory of
-    `config` (`ketch/doctor_config.py`)."""
+    `config` (`ketch/doctor/config_checks.py`)."""
     import torch
 
-    from ketch.doctor_config import (
+    from ketch.doctor.config_checks import (
         available_host_memory,
         batch_row,
         data_row,
