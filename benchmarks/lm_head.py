@@ -1,6 +1,6 @@
 """Time and measure the lm-head pass (output projection, log-probs, entropy; forward and backward) on one GPU:
-ketch's chunked log-probs (`ketch.engine.log_probs`) at several logit budgets per chunk, beside Liger-Kernel's fused
-linear cross-entropy (`pip install liger-kernel`), whose per-token loss is minus the log-prob (it has no entropy).
+ketch's chunked log-probs (`ketch.engine.fused_log_probs`) at several logit budgets per chunk, beside Liger-Kernel's
+fused linear cross-entropy (`pip install liger-kernel`), whose per-token loss is minus the log-prob (it has no entropy).
 
 Random bf16 hidden states and output projection of a Qwen2.5 shape, `--tokens` response tokens, random labels and
 random gradients of the log-probs (and of the entropy) from the loss above. For each implementation: the median
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ketch.engine import log_probs
+from ketch.engine import fused_log_probs as log_probs
 
 SHAPES = {"0.5b": (896, 151936), "1.5b": (1536, 151936), "7b": (3584, 152064)}
 """Hidden size and vocabulary of Qwen2.5's shapes."""

@@ -19,15 +19,15 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ketch.data import DatasetError
     from ketch.engine.export import ExportError
     from ketch.models import ModelLoadError
-    from ketch.preflight import StartupError
     from ketch.rewards import RewardError, RewardFunctionError, UnknownDataSourceError
     from ketch.rollout.multi_turn import ToolError
     from ketch.rollout.vllm_adapter import VLLMUnavailableError
-    from ketch.run_lock import RunDirBusyError
     from ketch.tracking import TrackerError
     from ketch.trainer.checkpoint import CheckpointError
     from ketch.trainer.loop import RunFailedError
     from ketch.trainer.mismatch_guard import RolloutMismatchError
+    from ketch.trainer.preflight import StartupError
+    from ketch.trainer.run_lock import RunDirBusyError
 
     data_errors = (DatasetError, ModelLoadError, RewardError, RewardFunctionError, UnknownDataSourceError, ToolError)
     run_errors = (NonFiniteError, WorkerError, RunFailedError, TrackerError, VLLMUnavailableError, FileNotFoundError)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "convert-gguf":
             from ketch.models.gguf import convert_gguf
-            from ketch.models.loader import DTYPES
+            from ketch.models.pretrained import DTYPES
 
             print(convert_gguf(args.gguf_file, args.out_dir, DTYPES[args.dtype]))
             return 0

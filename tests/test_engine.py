@@ -18,8 +18,8 @@ from ketch.architecture import LogitTransform
 from ketch.config.schema import OptimConfig
 from ketch.engine.distributed import init_process_group
 from ketch.engine.engine import TrainEngine, compile_blocks, transformer_blocks
+from ketch.engine.fused_log_probs import logit_chunk, token_log_probs
 from ketch.engine.heads import PolicyModel
-from ketch.engine.log_probs import logit_chunk, token_log_probs
 from ketch.engine.micro import split_micro_batches
 from ketch.models import load_causal_lm
 from ketch.protocol import DataProto
@@ -241,7 +241,7 @@ def test_chunks_hold_a_bounded_number_of_logits_whatever_the_vocabulary():
 
 _PEAK = """
 import torch
-from ketch.engine.log_probs import token_log_probs
+from ketch.engine.fused_log_probs import token_log_probs
 
 def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
@@ -278,7 +278,7 @@ def test_the_lm_head_passs_peak_memory_grows_with_the_tokens_not_with_tokens_tim
 def test_load_kernels_loads_the_two_saved_kernels_on_cuda_only(monkeypatch):
     """On CUDA the two fused kernels are saved compiled functions, whose forms `TrainEngine` loads when it is
     set up (not in the first update); on the CPU they are plain functions and nothing loads."""
-    import ketch.engine.log_probs as log_probs
+    import ketch.engine.fused_log_probs as log_probs
 
     class Kernel:
         loads = 0

@@ -21,7 +21,7 @@ import pytest
 from commands import cli_error, run_cli
 
 from ketch.config import ConfigError, DataConfig, KetchConfig, load_config, to_yaml
-from ketch.config.validate import RANGES
+from ketch.config.constraints import RANGES
 from ketch.controller.errors import WorkerError
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer
 from ketch.disk import size_text
@@ -335,7 +335,7 @@ def test_every_numeric_key_has_a_range():
         section = functools.reduce(getattr, sections, config)
         if name not in RANGES.get(type(section), {}):
             missing.append(key)
-    assert missing == [], "give these keys a line in ketch/config/validate.py RANGES"
+    assert missing == [], "give these keys a line in ketch/config/constraints.py RANGES"
     assert len(numeric_keys(config)) > 60  # the walk finds the schema's keys (a sanity check of the helper)
 
 

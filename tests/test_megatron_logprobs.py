@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 from spawned import end_rank
 
-from ketch.engine.megatron.logprobs import (
+from ketch.engine.megatron.vocab_parallel_log_probs import (
     chunked_vocab_parallel_log_probs,
     sum_grad_over_ranks,
     vocab_parallel_log_probs,

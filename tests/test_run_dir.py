@@ -18,14 +18,14 @@ from commands import ROOT, cli_error, ketch_env
 
 from ketch.cli import main
 from ketch.doctor import run_checks
-from ketch.run_lock import LOCK_FILE, RunDirBusyError, RunDirLock, holder
 from ketch.trainer.checkpoint import CheckpointManager
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.run_dir import removed_if_start_fails
+from ketch.trainer.run_lock import LOCK_FILE, RunDirBusyError, RunDirLock, holder
 from ketch.trainer.sft import SFTTrainer
 
 HOLD = (
-    "import sys, time; from ketch.run_lock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
+    "import sys, time; from ketch.trainer.run_lock import RunDirLock; RunDirLock(sys.argv[1]).acquire(); "
     "print('held', flush=True); time.sleep(float(sys.argv[2]))"
 )
 

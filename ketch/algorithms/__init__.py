@@ -7,7 +7,6 @@ the config's validation reads too) and, for type hints only, `ketch.protocol`: b
 `.non_tensor_batch` and `.meta_info` only, so it can be tested and reused on its own.
 """
 
-from ketch.algorithms.advantage import NonFiniteError, robust_compute_advantage
 from ketch.algorithms.estimators import (
     AdvEstimator,
     compute_gae,
@@ -33,14 +32,6 @@ from ketch.algorithms.kl import (
     build_kl_controller,
     kl_penalty,
 )
-from ketch.algorithms.losses import (
-    AGG_MODES,
-    agg_loss,
-    compute_policy_loss,
-    entropy_from_logits,
-    policy_loss,
-    value_loss,
-)
 from ketch.algorithms.masked import masked_mean, masked_var, masked_whiten
 from ketch.algorithms.overlong import filter_overlong, overlong_penalty, truncated
 from ketch.algorithms.policy_losses import (
@@ -51,8 +42,17 @@ from ketch.algorithms.policy_losses import (
     policy_loss_names,
     register_policy_loss,
 )
+from ketch.algorithms.ppo_losses import (
+    AGG_MODES,
+    agg_loss,
+    compute_policy_loss,
+    entropy_from_logits,
+    policy_loss,
+    value_loss,
+)
 from ketch.algorithms.preference import bradley_terry_loss, pairwise_accuracy
 from ketch.algorithms.reward_mix import REWARD_SOURCES, RewardMixer, RunningMeanStd, last_valid_index
+from ketch.algorithms.robust_advantage import NonFiniteError, robust_compute_advantage
 from ketch.algorithms.rollout_correction import (
     ROLLOUT_IS_LEVELS,
     TURN_KINDS,

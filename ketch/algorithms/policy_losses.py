@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ketch.algorithms._checks import check_same_shape
-from ketch.algorithms.losses import agg_loss, clip_metrics, policy_loss, weighted
+from ketch.algorithms.ppo_losses import agg_loss, clip_metrics, policy_loss, weighted
 from ketch.registry import POLICY_LOSSES
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]

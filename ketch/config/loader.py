@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 import yaml
 
+from ketch.config.constraints import validate
 from ketch.config.errors import ConfigError
 from ketch.config.schema import BUILTIN_RUN_DEFAULTS, COMMAND_DEFAULTS, KetchConfig
-from ketch.config.validate import validate
 
 __all__ = ["ConfigError", "load_config", "parse_overrides", "to_dict", "to_yaml"]
 

@@ -36,7 +36,7 @@ EAGER_LAYERS = 2
 """With recomputation, eager attention's scores of this many layers at once: the recomputed layer's and their
 gradients."""
 LM_HEAD_BYTES = 3 * 4 * 2**26
-"""The lm-head pass's chunk on a GPU: 2^26 logits (`ketch.engine.log_probs.LOGIT_ELEMENTS`) in about three float32
+"""The lm-head pass's chunk on a GPU: 2^26 logits (`ketch.engine.fused_log_probs.LOGIT_ELEMENTS`) in about three float32
 tensors at a time (the fused kernels' inputs, outputs and the gradient)."""
 
 

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import yaml
 
 from ketch.config import schema
+from ketch.config.constraints import RANGES
 from ketch.config.loader import load_config
 from ketch.config.sections import algorithm, model, reward, roles, rollout, trainer
-from ketch.config.validate import RANGES
 
 PAGE = Path("docs/reference/config.md")
 REGENERATE = "make reference"
@@ -160,7 +160,7 @@ def render() -> str:
         "",
         "**Default** is the schema's, which a config file or overrides start from. Where `ketch train` with no",
         "YAML file on the built-in task and model, `ketch sft` or `ketch rm` start from another value, the",
-        "**Doc** cell says so. **Range** is what `ketch/config/validate.py` accepts (`[` includes the bound, `(`",
+        "**Doc** cell says so. **Range** is what `ketch/config/constraints.py` accepts (`[` includes the bound, `(`",
         "excludes it); a value outside it stops the run before it starts.",
     ]
     for section in (key for key in every if _is_section(key)):

@@ -25,7 +25,8 @@ from packaging.utils import canonicalize_name
 
 from ketch.cache import cache_root
 from ketch.config import BatchError, ConfigError, KetchConfig, load_config
-from ketch.preflight import (
+from ketch.tracking.backends import TRACKER_MODULES, install_hint
+from ketch.trainer.preflight import (
     GIB,
     Check,
     attention_row,
@@ -37,7 +38,6 @@ from ketch.preflight import (
     tools_row,
     vllm_row,
 )
-from ketch.tracking.backends import TRACKER_MODULES, install_hint
 
 MIN_SHM_GIB_FOR_VLLM = 8
 MIN_FREE_DISK_GIB = 10

@@ -29,13 +29,13 @@ from ketch.config.partial import describe_partial_rollouts
 from ketch.config.schema import BUILTIN_MODEL
 from ketch.controller.errors import HOST_MEMORY_FIX
 from ketch.data import DatasetError, RLHFDataset, build_char_tokenizer, resolve_data_files
-from ketch.data.loader import PromptLoader
+from ketch.data.prompt_loader import PromptLoader
 from ketch.disk import size_text
 from ketch.models import ModelLoadError, load_model_config, load_tokenizer
 from ketch.models.gguf import cached_gguf_model, is_gguf
-from ketch.preflight import GIB, Check
 from ketch.rewards import UnknownDataSourceError
 from ketch.rewards.registry import scorer_for
+from ketch.trainer.preflight import GIB, Check
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
 TIGHT = 0.85

@@ -26,7 +26,7 @@ from ketch.config.parallel import sequence_parallel_problem
 from ketch.config.schema import OptimConfig
 from ketch.engine.activations import HostActivations
 from ketch.engine.distributed import all_reduce_sum
-from ketch.engine.log_probs import load_kernels
+from ketch.engine.fused_log_probs import load_kernels
 from ketch.engine.lora import lora_layers, merged
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler, step_unless

@@ -21,8 +21,8 @@ from torch import nn
 
 from ketch.architecture import decoder, logit_transform, router, router_outputs
 from ketch.determinism import disable_dropout, keep_in_eval
+from ketch.engine.fused_log_probs import token_log_probs
 from ketch.engine.load_balancing import load_balancing_loss
-from ketch.engine.log_probs import token_log_probs
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 from ketch.engine.sequence_parallel import sharded_states
 from ketch.models.router_replay import ExpertRouting, differing

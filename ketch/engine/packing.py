@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ketch.architecture import packing_problem
-from ketch.engine.ulysses import heads_to_tokens, tokens_to_heads
+from ketch.engine.attention_all_to_all import heads_to_tokens, tokens_to_heads
 
 logger = logging.getLogger("ketch.engine")
 

@@ -7,10 +7,10 @@ padded to a multiple of the group's size, the padding a sequence of its own): em
 embeddings work token by token. Around attention, an all-to-all turns the sequence-sharded queries, keys and
 values `[T / P, heads, head_dim]` into head-sharded ones `[T, heads / P, head_dim]`, so that each rank attends
 over every token with its share of the heads, and a second all-to-all turns the output back (`packed_attention`
-does both when the attention call carries the group, through `ketch.engine.ulysses`). Each rank projects only its
-own tokens to the vocabulary (or to values); the per-token results are put in place and summed over the group, so
-every rank holds the micro-batch's whole outputs and computes the same loss. The backward pass of the sum hands
-each rank the gradient of its own tokens, and FSDP's reduction over all ranks adds up the ranks' shares of each
+does both when the attention call carries the group, through `ketch.engine.attention_all_to_all`). Each rank projects
+only its own tokens to the vocabulary (or to values); the per-token results are put in place and summed over the
+group, so every rank holds the micro-batch's whole outputs and computes the same loss. The backward pass of the sum
+hands each rank the gradient of its own tokens, and FSDP's reduction over all ranks adds up the ranks' shares of each
 weight's gradient.
 """
 

@@ -1,7 +1,7 @@
 """Model loading (causal LMs, critics with a value head, reward models with a score head, tokenizers) and the
 built-in tiny model."""
 
-from ketch.models.loader import (
+from ketch.models.pretrained import (
     ModelLoadError,
     check_causal_lm,
     check_tokenizer_fits,

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from ketch.cache import cache_dir
-from ketch.models.loader import ModelLoadError, quiet_transformers
+from ketch.models.pretrained import ModelLoadError, quiet_transformers
 from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token
 
 logger = logging.getLogger("ketch.models")

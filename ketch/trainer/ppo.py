@@ -30,7 +30,7 @@ from ketch.config import ConfigError, KetchConfig, derive_batch_plan
 from ketch.config.batch import recompute_old_log_prob
 from ketch.data import RLHFDataset, resolve_data_files
 from ketch.data.batching import pad_token_id
-from ketch.data.loader import PromptLoader
+from ketch.data.prompt_loader import PromptLoader
 from ketch.engine.lora import check_lora
 from ketch.models import check_value_head, load_model_config
 from ketch.protocol import DataProto

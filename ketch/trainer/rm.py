@@ -10,7 +10,7 @@ import torch
 from ketch.algorithms import bradley_terry_loss, pairwise_accuracy
 from ketch.config import ConfigError, KetchConfig
 from ketch.data import PreferenceDataset, resolve_data_files
-from ketch.data.loader import PromptLoader
+from ketch.data.prompt_loader import PromptLoader
 from ketch.protocol import DataProto
 from ketch.trainer.builtin import resolve_model_path
 from ketch.trainer.groups import WorkerGroups, build_reward_model_group

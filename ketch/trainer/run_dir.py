@@ -1,7 +1,7 @@
 """A run owns its directory, and a start that fails leaves nothing that looks like a run.
 
-A trainer's `fit` holds the run directory's lock (`ketch.run_lock`) for the whole call; a start that fails removes
-the directory it created.
+A trainer's `fit` holds the run directory's lock (`ketch.trainer.run_lock`) for the whole call; a start that fails
+removes the directory it created.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ketch.run_lock import LOCK_FILE, RunDirLock
 from ketch.tracking import read_metrics
+from ketch.trainer.run_lock import LOCK_FILE, RunDirLock
 
 logger = logging.getLogger("ketch")
 

@@ -11,7 +11,7 @@ import torch
 
 from ketch.config import KetchConfig, derive_batch_plan
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
-from ketch.data.loader import PromptLoader
+from ketch.data.prompt_loader import PromptLoader
 from ketch.models import local_or_hub
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer

@@ -19,7 +19,7 @@ from ketch.config.parallel import check_megatron_start, check_rollout_start, meg
 from ketch.engine.lora import check_lora
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import check_causal_lm, check_tokenizer_fits, load_model_config, load_tokenizer
-from ketch.preflight import preflight
+from ketch.trainer.preflight import preflight
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ketch.data.loader import PromptLoader
+from ketch.data.prompt_loader import PromptLoader
 
 
 class Numbers:

@@ -4,8 +4,8 @@
 Processes form Megatron's grid (`grid.py`); the data-parallel dispatch gives every tensor/pipeline peer the
 same rows. Micro-batches are ketch's; Megatron's schedule (`get_forward_backward_func`: no pipelining, 1F1B or
 interleaved 1F1B) runs them. Log-probs come from vocabulary-parallel logits, a chunk of tokens at a time
-(`logprobs.py`). Parameters are float32 and the forward runs under autocast in `dtype`; gradients are summed
-over data-parallel ranks (the loss is already each rank's share of the global mean, as in the FSDP engine)
+(`vocab_parallel_log_probs.py`). Parameters are float32 and the forward runs under autocast in `dtype`; gradients are
+summed over data-parallel ranks (the loss is already each rank's share of the global mean, as in the FSDP engine)
 and clipped by the global norm over the whole model.
 """
 
@@ -31,8 +31,8 @@ from ketch.config.schema import MegatronConfig, OptimConfig
 from ketch.engine.checkpoint import rng_state, set_rng_state
 from ketch.engine.engine import LossFn
 from ketch.engine.megatron.grid import RankGrid
-from ketch.engine.megatron.logprobs import chunked_vocab_parallel_log_probs
 from ketch.engine.megatron.model import build_chunks, recompute_layers, transformer_config
+from ketch.engine.megatron.vocab_parallel_log_probs import chunked_vocab_parallel_log_probs
 from ketch.engine.megatron.weights import (
     ModelShape,
     Parallel,

@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from torch.utils.checkpoint import checkpoint
 
 from ketch.config.schema import MegatronConfig
-from ketch.engine.megatron.logprobs import sum_grad_over_ranks
+from ketch.engine.megatron.vocab_parallel_log_probs import sum_grad_over_ranks
 from ketch.engine.megatron.weights import ModelShape, rope_settings
 
 

@@ -28,7 +28,7 @@ from ketch.rewards import UnknownDataSourceError, known_data_sources
 from ketch.rewards.registry import scorer_for
 from ketch.rollout import vllm_adapter
 from ketch.rollout.multi_turn import ToolError, environment_factory
-from ketch.run_lock import RunDirBusyError, busy_message, holder
+from ketch.trainer.run_lock import RunDirBusyError, busy_message, holder
 
 GIB = 2**30
 """Bytes per GiB, for the rows' figures."""
@@ -139,7 +139,7 @@ def resume_row(config: KetchConfig) -> Check:
 
 
 def run_dir_row(run_dir: Path) -> Check:
-    """Whether another run holds `run_dir` (its lock, `ketch/run_lock.py`)."""
+    """Whether another run holds `run_dir` (its lock, `ketch/trainer/run_lock.py`)."""
     if (owner := holder(run_dir)) is not None:
         detail, fix = busy_message(run_dir, owner).split("; ", 1)
         return Check("run dir", "FAIL", detail, fix)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ketch.engine.log_probs import LOGIT_CHUNK
+from ketch.engine.fused_log_probs import LOGIT_CHUNK
 
 
 class _SumOverRanks(torch.autograd.Function):
