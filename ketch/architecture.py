@@ -5,9 +5,9 @@ Most of it holds for any decoder that transformers builds on its shared attentio
 the registered attention function, and its masks come from `masking_utils`): the decoder blocks are the one
 `ModuleList` of the decoder, each block's attention is its child module whose class ends in `Attention`, and the
 head counts and head size come from the config. `FAMILIES` adds what differs by family and is known only for
-the families it lists (keyed by `config.model_type`): which ones split for the hf rollout's tensor parallelism
-and which ones the Megatron weight adapter maps. Adding a family means one entry there and one row in the
-architecture matrix test (`tests/test_architectures.py`).
+the families it lists (keyed by `config.model_type`): which ones split for the hf rollout's tensor parallelism,
+which ones the Megatron weight adapter maps and whose experts decode with fixed shapes. A family with none of these
+needs no entry; the families the architecture matrix test runs are listed in `tests/families.py`.
 """
 
 from __future__ import annotations
@@ -45,41 +45,10 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family(fixed_shape_experts=True),
     "qwen3_moe": Family(fixed_shape_experts=True),
     "olmoe": Family(fixed_shape_experts=True),
-    "gemma2": Family(),
-    "olmo2": Family(),
-    "phi": Family(),
-    "phi3": Family(),
-    "stablelm": Family(),
-    "cohere": Family(),
-    "starcoder2": Family(),
-    "gpt_neox": Family(),
-    "gpt2": Family(),
     "gpt_oss": Family(fixed_shape_experts=True),
     "deepseek_v3": Family(fixed_shape_experts=True),
-    "lfm2": Family(),
-    "llama4_text": Family(),
-    "apertus": Family(),
-    "arcee": Family(),
-    "bloom": Family(),
-    "cohere2": Family(),
-    "exaone4": Family(),
-    "glm": Family(),
-    "glm4": Family(),
-    "gpt_bigcode": Family(),
-    "granitemoe": Family(),
-    "jamba": Family(),
-    "nemotron": Family(),
-    "olmo": Family(),
-    "olmo3": Family(),
-    "opt": Family(),
-    "persimmon": Family(),
-    "phimoe": Family(),
-    "recurrent_gemma": Family(),
-    "seed_oss": Family(),
-    "smollm3": Family(),
-    "xglm": Family(),
 }
-"""The families the architecture matrix test runs, each through packing, static decoding and a GRPO run."""
+"""The families with a fact beyond those every decoder shares; any other family gets an empty `Family`."""
 
 ENCODERS = {
     "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",

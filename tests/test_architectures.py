@@ -1,4 +1,4 @@
-"""The architecture matrix: a tiny random model of every family in `ketch.architecture.FAMILIES` (2 blocks, 64 wide,
+"""The architecture matrix: a tiny random model of every family in `families.MATRIX` (2 blocks, 64 wide,
 sliding windows of 8 tokens where the family has them, 4 experts where it has a router) through the GPU's code
 paths on the CPU: packed against padded training forwards, the training head against the model's own logits,
 the static decoder (its blocks compiled) against `generate`, and two GRPO steps with packing and static decoding
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from families import MATRIX, save_tiny_family_model, tiny_family_config
 from greedy import generate_greedy
 
 from ketch.architecture import FAMILIES, packing_problem, router, static_decoding_problem
@@ -22,7 +23,6 @@ from ketch.data import build_char_tokenizer
 from ketch.engine.engine import compile_blocks, compiles
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
-from ketch.models.tiny import FAMILY_SETTINGS, save_tiny_family_model
 from ketch.trainer.ppo import PPOTrainer
 
 OFF_INTERFACE = "its attention does not go through transformers' attention interface"
@@ -89,11 +89,11 @@ def ragged_batch(vocab: int, prompt_len: int = 10, response_len: int = 12):
 
 
 def test_every_family_has_a_tiny_model():
-    assert FAMILY_SETTINGS.keys() == FAMILIES.keys()
-    assert len(FAMILIES) == 44
+    assert FAMILIES.keys() <= set(MATRIX)
+    assert len(MATRIX) == 44
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", MATRIX)
 def test_packed_and_compiled_forwards_give_the_padded_log_probs_entropy_and_gradients(family_dir, model_type, caplog):
     """In float32 to 1e-5, packed as it is and packed with its blocks compiled (dynamo and AOTAutograd; `aot_eager`
     builds no inductor code on a CPU; not a mixture of experts, whose experts compile in bfloat16 only): log-probs,
@@ -145,7 +145,7 @@ def test_packed_and_compiled_forwards_give_the_padded_log_probs_entropy_and_grad
         assert out["packed"]["router_aux_loss"].item() == pytest.approx(top_k, abs=0.1)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", MATRIX)
 def test_static_decoding_with_compiled_blocks_gives_the_greedy_tokens_of_generate(family_dir, model_type):
     """Left-padded prompts of 9, 4 and 1 tokens, 12 new tokens (past the sliding window), the decode blocks
     compiled by dynamo (`aot_eager`: no inductor code to build on a CPU)."""
@@ -168,7 +168,7 @@ def test_static_decoding_with_compiled_blocks_gives_the_greedy_tokens_of_generat
     torch.testing.assert_close(log_probs, expected_log_probs, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", MATRIX)
 def test_two_grpo_steps_with_packing_and_static_decoding(tiny_config, family_dir, model_type):
     """The rollout's log-probs of the sampled tokens are the training forward's (float32), and a mixture of experts
     logs its router loss."""
@@ -216,7 +216,6 @@ def test_tensor_parallel_checks_apply_above_one_rank_and_read_each_familys_field
     """GPT-2 has no `intermediate_size` (its `n_inner` is None: four times the hidden size) and no key/value head
     count: nothing to check for one rank, and its family's split is not known for two."""
     from ketch.architecture import intermediate_size, tensor_parallel_problems
-    from ketch.models.tiny import tiny_family_config
 
     tokenizer = build_char_tokenizer()
     gpt2, llama = (tiny_family_config(t, tokenizer) for t in ("gpt2", "llama"))
@@ -294,10 +293,9 @@ def test_a_model_without_weights_gets_the_same_answers_as_the_loaded_one():
     """`ketch doctor` asks about a model on the meta device: the probe of keyword arguments runs there too (GPT-2's
     forward stops before its attention without weights, and counts as passing them on, as it does when loaded)."""
     from ketch.doctor.config_checks import meta_model
-    from ketch.models.tiny import tiny_family_config
 
     tokenizer = build_char_tokenizer()
-    for model_type in sorted(FAMILIES):
+    for model_type in MATRIX:
         model = meta_model(tiny_family_config(model_type, tokenizer), False)
         assert packing_problem(model) == NOT_PACKED.get(model_type), model_type
         assert static_decoding_problem(model) == NOT_STATIC.get(model_type), model_type

@@ -159,8 +159,9 @@ def test_the_model_paths_row_names_the_path_of_each_kind_of_model_on_gpus(tmp_pa
     """What a GPU run takes: a Llama packs and decodes statically; a Gemma 2 (soft-capped attention logits) and a
     StableLM (its attention outside transformers' interface) train padded and decode with `generate`, the Gemma 2
     with eager attention, which keeps the cap (SDPA, when asked for, leaves it out: a warning)."""
+    from families import save_tiny_family_model
+
     from ketch.data import build_char_tokenizer
-    from ketch.models.tiny import save_tiny_family_model
 
     details, paths = {}, {}
     for model_type in ("llama", "gemma2", "stablelm"):

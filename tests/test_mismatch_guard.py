@@ -116,7 +116,7 @@ def test_a_noise_rate_that_the_eval_mode_computes_with_is_kept():
     """PhiMoE's router jitter (0.01) also decides, in eval mode, which experts share a token: set to 0 it would change
     the model the rollout samples from, so it stays; its router, which samples experts in training mode, stays in
     eval mode."""
-    from ketch.models.tiny import tiny_family_config
+    from families import tiny_family_config
 
     config = tiny_family_config("phimoe", build_char_tokenizer())
     torch.manual_seed(0)

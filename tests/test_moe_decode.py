@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import tiny_family_config
 from greedy import generate_greedy
 from transformers import AutoModelForCausalLM
 
 from ketch.architecture import FAMILIES, cuda_graph_problem, decoder_blocks, router_outputs
 from ketch.data import build_char_tokenizer
 from ketch.models.router_replay import ExpertRouting, differing
-from ketch.models.tiny import tiny_family_config
 from ketch.rollout import moe_decode
 from ketch.rollout.moe_decode import FixedShapeExperts, dense, gathered, reads_every_expert, use_fixed_shape_experts
 from ketch.rollout.sampling import Sampling

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import save_tiny_family_model, tiny_family_config
 from transformers import AutoModelForCausalLM
 
 from ketch.config import ConfigError
@@ -14,7 +15,6 @@ from ketch.config.parallel import check_rollout_start
 from ketch.data import build_char_tokenizer
 from ketch.engine.heads import PolicyModel
 from ketch.models.router_replay import ExpertRouting, differing
-from ketch.models.tiny import save_tiny_family_model, tiny_family_config
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.trainer.ppo import PPOTrainer

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ketch.rollout.sampling import Sampling
+from ketch.rollout.sampling import Sampling, _filter
 
 LOGITS = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
 
@@ -19,15 +19,15 @@ def test_greedy_takes_the_argmax_and_reports_its_log_prob():
 
 
 def test_top_k_2_keeps_the_two_most_likely_tokens():
-    kept = Sampling(True, top_k=2)._filter(LOGITS.clone())
+    kept = _filter(LOGITS.clone(), top_k=2, top_p=1.0)
     assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     # 0.5 alone < 0.7; 0.5 + 0.3 = 0.8 >= 0.7: the nucleus is the first two tokens.
-    kept = Sampling(True, top_p=0.7)._filter(LOGITS.clone())
+    kept = _filter(LOGITS.clone(), top_k=0, top_p=0.7)
     assert torch.isfinite(kept).tolist() == [[True, True, False, False]]
-    assert torch.isfinite(Sampling(True, top_p=0.85)._filter(LOGITS.clone())).tolist() == [[True, True, True, False]]
+    assert torch.isfinite(_filter(LOGITS.clone(), top_k=0, top_p=0.85)).tolist() == [[True, True, True, False]]
 
 
 def test_sampled_log_prob_is_under_the_temperature_not_the_filter():

@@ -235,13 +235,13 @@ def test_decoding_stops_once_every_row_has_finished(tiny_model_dir):
     calls, tokens = {}, {}
     for name, stops in (("all stop", list(range(model.config.vocab_size))), ("no stop", None)):
         decoder = StaticDecoder(model, compile_step=False)
-        step, calls[name] = decoder.step, 0
+        iterate, calls[name] = decoder._iterate, 0
 
-        def counted(*args, step=step, name=name):
+        def counted(*args, iterate=iterate, name=name):  # one decode step each
             calls[name] += 1
-            return step(*args)
+            return iterate(*args)
 
-        decoder.step = counted
+        decoder._iterate = counted
         tokens[name], _ = decoder.generate(input_ids, attention_mask, 64, Sampling(False), stops, pad_token_id=0)
     assert CHECK_EVERY == 16 and calls == {"all stop": 15, "no stop": 63}
     assert (tokens["all stop"][:, 1:] == 0).all() and (tokens["all stop"][:, 0] != 0).all()  # pad after the stop

@@ -42,9 +42,6 @@ class Sampling:
                 return sample(logits, self.temperature if self.do_sample else 1.0, self.do_sample, seed)
         return compiled_sampler(logits.device.type)(logits, self.do_sample, self.temperature, self.top_k, self.top_p)
 
-    def _filter(self, scaled: torch.Tensor) -> torch.Tensor:
-        return _filter(scaled, self.top_k, self.top_p)
-
 
 def _sample(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float):
     logits = logits.float()  # compiled, the cast fuses into the sampling kernels: no float32 copy of the logits

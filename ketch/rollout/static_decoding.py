@@ -205,7 +205,6 @@ class StaticDecoder:
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
         self.seen: set[tuple] = set()  # shapes (and shapes with a sampling key) decoded before: logged once
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
-        self.step = self._step
         self.compiled = compile_step
         no_graph = cuda_graph_problem(model.config) if compile_step else None
         if compile_step and not no_graph and other_experts:
@@ -313,7 +312,7 @@ class StaticDecoder:
         """One token: the decode step of `b.tokens` (experts of fixed shapes: `moe_decode.decoding`), then `_record`
         of the token after it."""
         with decoding():
-            logits = self.step(b.tokens, b.mask4d, b.positions, b.slot)
+            logits = self._step(b.tokens, b.mask4d, b.positions, b.slot)
         b.positions.add_(1)
         self._record(b, logits, sampling, is_stop, pad)
 

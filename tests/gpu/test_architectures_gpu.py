@@ -1,5 +1,5 @@
 """The architecture matrix on one GPU with the defaults (packing, compiled blocks, the static decoder with CUDA
-graphs where the family allows them): every family of `ketch.architecture.FAMILIES`, as tests/test_architectures.py
+graphs where the family allows them): every family of `families.MATRIX`, as tests/test_architectures.py
 runs it on the CPU. Each test prints one `matrix` line of figures (benchmarks/results keeps them).
 
 bf16 tolerances: the packed forward's log-probs are as close to the float32 padded ones as the bf16 padded forward's
@@ -12,14 +12,13 @@ import json
 
 import pytest
 import torch
+from families import MATRIX, save_tiny_family_model
 from greedy import generate_greedy
 from test_architectures import NOT_PACKED, NOT_STATIC, ragged_batch
 
-from ketch.architecture import FAMILIES
 from ketch.data import build_char_tokenizer
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
-from ketch.models.tiny import save_tiny_family_model
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.trainer.ppo import PPOTrainer
@@ -36,7 +35,7 @@ def _log_probs(path, dtype: torch.dtype, packed: bool, batch) -> torch.Tensor:
     return out[attention_mask[:, -response_len:].bool()].float()
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", MATRIX)
 def test_family_on_the_gpu_with_the_defaults(model_type, tmp_path, tiny_config):
     path = save_tiny_family_model(tmp_path / model_type, model_type, build_char_tokenizer())
     batch = ragged_batch(len(build_char_tokenizer()))
