@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import sys
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from ketch.config.schema import DataConfig
+from ketch.data.builtin.tokenizer import build_char_tokenizer
+from ketch.data.dataset import RLHFDataset
+from ketch.data.errors import DatasetError
 from ketch.models.vision import VisionModelError, load_image_processor, vision_family
 from tests.vision_models import FAMILIES, save_tiny_vlm
 
@@ -44,3 +51,71 @@ def test_vision_family_names_a_text_model_none_and_refuses_an_unknown_family(tmp
     AutoConfig.for_model("llava", text_config={"model_type": "llama"}).save_pretrained(tmp_path)
     with pytest.raises(VisionModelError, match="llava vision-language model; ketch trains qwen2_vl"):
         vision_family(tmp_path)
+
+
+def _png(height: int = 40, width: int = 50) -> bytes:
+    out = io.BytesIO()
+    _image(height, width).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _dataset(tmp_path, rows: list[dict], processor, *more: list[dict], **data) -> RLHFDataset:
+    """A dataset of `rows` (one Parquet file, `train.parquet`) and each of `more` (a file each)."""
+    files = [str(tmp_path / f"train{i or ''}.parquet") for i in range(1 + len(more))]
+    for file, part in zip(files, (rows, *more), strict=True):
+        pq.write_table(pa.Table.from_pylist(part), file)
+    tokenizer = processor.tokenizer if processor else build_char_tokenizer()
+    return RLHFDataset(files, tokenizer, DataConfig(**({"max_prompt_length": 64} | data)), processor)
+
+
+@pytest.fixture(scope="module")
+def qwen_processor(vlm_dirs):
+    return load_image_processor(vlm_dirs["qwen2_vl"])
+
+
+def test_images_column_gives_prompt_ids_with_vision_tokens_and_the_image_inputs(tmp_path, qwen_processor):
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "how many?"}]}]
+    rows = [
+        {"prompt": "look <image> and <image>", "images": [{"bytes": _png()}, {"bytes": _png(28, 28)}]},
+        {"prompt": "no image here", "images": None},
+    ]
+    chats = [{"prompt": chat, "images": _png()}]
+    dataset = _dataset(tmp_path, rows, qwen_processor, chats, apply_chat_template=False)
+    two, plain, chat_item = dataset[0], dataset[1], dataset[2]
+    image_id = qwen_processor.image_token_id
+    grid = two["multi_modal_inputs"]["image_grid_thw"]
+    assert grid.tolist() == [[1, 2, 4], [1, 2, 2]]  # 40x50 -> 28x56 pixels, 28x28 -> 28x28; patches of 14
+    assert int((two["input_ids"] == image_id).sum()) == (8 + 4) // 4  # one token per 2x2 merged patches
+    assert two["multi_modal_inputs"]["pixel_values"].shape[0] == 8 + 4
+    assert int((chat_item["input_ids"] == image_id).sum()) == 2
+    assert len(two["images"]) == 2 and plain["images"] == [] and plain["multi_modal_inputs"] == {}
+    batch = dataset.collate([two, plain])
+    assert batch["multi_modal_inputs"].shape == (2,) and batch["input_ids"].shape[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("cell", "prompt", "message"),
+    [
+        (b"not an image", "a <image>", "image 0 (12 bytes) cannot be read as an image"),
+        ("/nowhere/cat.png", "a <image>", "image 0 (the file /nowhere/cat.png) cannot be read as an image"),
+        (7, "a <image>", "image 0 is a int; give PNG/JPEG bytes, a path to an image file"),
+        ("two", "a <image>", "the row has 2 image(s) but its prompt has 1 <image> placeholder(s); put one <image>"),
+    ],
+)
+def test_a_bad_image_stops_naming_the_row_the_column_and_the_fix(tmp_path, qwen_processor, cell, prompt, message):
+    cell = [_png(), _png()] if cell == "two" else cell
+    with pytest.raises(DatasetError) as err:
+        _dataset(tmp_path, [{"prompt": prompt, "images": cell}], qwen_processor)
+    assert str(err.value).startswith(f"{tmp_path / 'train.parquet'}, row 0, column 'images': ")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_images_for_a_text_only_model_stop_with_the_fix(tmp_path):
+    with pytest.raises(DatasetError, match="row 0, column 'images': the row has images but the model is text-only"):
+        _dataset(tmp_path, [{"prompt": "a <image>", "images": _png()}], None)
+
+
+def test_a_prompt_with_images_is_never_truncated(tmp_path, qwen_processor):
+    rows = [{"prompt": "a <image>", "images": _png(56, 56)}]
+    with pytest.raises(DatasetError, match=r"row 0: .* a prompt with images cannot be truncated; raise the limit"):
+        _dataset(tmp_path, rows, qwen_processor, max_prompt_length=5, truncation="left")

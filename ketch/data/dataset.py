@@ -17,11 +17,23 @@ from ketch.config.schema import DataConfig
 from ketch.data.batching import PackedSequences, encode, pad, pad_token_id, position_ids
 from ketch.data.builtin.files import resolve_data_files
 from ketch.data.errors import DatasetError
+from ketch.data.images import IMAGE_MARKER, check_image_count, row_images
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
 from ketch.protocol import object_array
 
-_RESERVED_COLUMNS = ("input_ids", "attention_mask", "position_ids", "raw_prompt", "index", "source_row")
+_RESERVED_COLUMNS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "raw_prompt",
+    "index",
+    "source_row",
+    "multi_modal_inputs",
+)
+
+_IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
+"""The processor's outputs that describe a row's images (the others are per token, found again from its ids)."""
 
 DEFAULT_DATA_SOURCE = "unknown"
 """The data source of a row whose file has no `data_source` column (or an empty cell)."""
@@ -36,23 +48,69 @@ class RLHFDataset(Dataset):
     - `ground_truth`: `reward_model["ground_truth"]`, else the `answer` column, else a `ground_truth` column, else None;
     - `index`: the row's position in the concatenated files (kept when other rows are filtered out);
     - `source_row`: where the row comes from, `<file>, row N` (error messages name it);
+    - with a `processor` (a vision-language model's, `ketch.models.vision.load_image_processor`): `images`, the
+      row's images (PIL, RGB; `data.image_key` column), and `multi_modal_inputs`, the processor's image tensors
+      for them (`pixel_values`, Qwen's `image_grid_thw` `[images, 3]`; empty without images); `input_ids` then
+      holds the vision tokens, which the prompt length counts;
     - every other column as it is (`ability`, `reward_model`, `answer`, `chosen`, ...).
+
+    Every image is decoded and counted against its prompt's `<image>` placeholders here, so a bad one stops the
+    run at start-up with its file, row and column named.
     """
 
-    def __init__(self, data_files: str | list[str], tokenizer: Any, config: DataConfig) -> None:
+    def __init__(
+        self, data_files: str | list[str], tokenizer: Any, config: DataConfig, processor: Any | None = None
+    ) -> None:
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
-        self.config = config
+        self.config, self.processor = config, processor
         self.pad_token_id = pad_token_id(tokenizer)
         self.rows = read_parquet_files(files, self.required_columns(config))
         _check_reserved(self.rows, config.prompt_key)
         row_ids = first_rows(self.rows, config)
-        ids = encode(tokenizer, prompt_texts(self.rows, row_ids, tokenizer, config))
+        texts = prompt_texts(self.rows, row_ids, tokenizer, config)
+        self.images = self._images(row_ids, texts)
+        ids = encode(tokenizer, texts) if processor is None else self._vision_ids(row_ids, texts)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         limit = config.max_prompt_length
         keep = within_limit(lengths, limit, "data.max_prompt_length", config, self.rows, row_ids, "prompt")
+        if processor is not None:
+            _check_untruncated(keep & (lengths > limit), self.images, self.rows, row_ids, limit)
         self.num_filtered = int((~keep).sum())
+        self.texts = [texts[k] for k in np.flatnonzero(keep)]
         self.row_ids = row_ids[keep]
         self.input_ids = PackedSequences([_truncate(ids[k], limit, config.truncation) for k in np.flatnonzero(keep)])
+
+    def _images(self, row_ids: np.ndarray, texts: list[str]) -> dict[int, list]:
+        """The images of each row that has some (by row number), checked against its prompt's placeholders."""
+        column = self.rows.columns.get(self.config.image_key)
+        if column is None:
+            return {}
+        images = {}
+        for row, text in zip(row_ids, texts, strict=True):
+            where = f"{self.rows.locate(row)}, column {self.config.image_key!r}"
+            try:
+                images[int(row)] = row_images(column[row])
+                if images[int(row)] and self.processor is None:
+                    raise ValueError(
+                        "the row has images but the model is text-only; train a vision-language model (model.path) "
+                        "or set data.image_key to a column without images"
+                    )
+                check_image_count(text, images[int(row)])
+            except ValueError as err:
+                raise DatasetError(f"{where}: {err}") from None
+        return images
+
+    def _vision_ids(self, row_ids: np.ndarray, texts: list[str]) -> list[list[int]]:
+        """Each prompt's token ids with its images' vision tokens (the processor's expansion)."""
+        return [
+            self._process(int(row), text)["input_ids"][0].tolist() for row, text in zip(row_ids, texts, strict=True)
+        ]
+
+    def _process(self, row: int, text: str) -> dict[str, Any]:
+        """The processor's outputs `[1, prompt_len]` (and image tensors) for row `row` with prompt text `text`."""
+        images = self.images.get(row) or None
+        text = text.replace(IMAGE_MARKER, self.processor.image_placeholder)
+        return self.processor(text=[text], images=images, return_tensors="pt")
 
     @staticmethod
     def required_columns(config: DataConfig) -> dict[str, str]:
@@ -68,6 +126,11 @@ class RLHFDataset(Dataset):
         row = int(self.row_ids[i])
         cells = {name: values[row] for name, values in self.rows.columns.items()}
         item = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+        if self.processor is not None:
+            cells.pop(self.config.image_key, None)
+            item["images"] = self.images.get(row, [])
+            processed = self._process(row, self.texts[i]) if item["images"] else {}
+            item["multi_modal_inputs"] = {k: v for k, v in processed.items() if k in _IMAGE_INPUTS}
         item["raw_prompt"] = cells.pop(self.config.prompt_key)
         item["data_source"] = _default(cells.pop("data_source", None), DEFAULT_DATA_SOURCE)
         item["ground_truth"] = _ground_truth(cells)
@@ -113,6 +176,20 @@ def _ground_truth(cells: dict[str, Any]) -> Any:
     if cells.get("answer") is not None:
         return cells["answer"]
     return cells.get("ground_truth")
+
+
+def _check_untruncated(
+    truncated: np.ndarray, images: dict[int, list], rows: Rows, row_ids: np.ndarray, limit: int
+) -> None:
+    """Raise DatasetError for the first row with images that `data.truncation` would cut (`truncated` `[n]`): its
+    vision tokens must stay whole."""
+    for k in np.flatnonzero(truncated):
+        if images.get(int(row_ids[k])):
+            raise DatasetError(
+                f"{rows.locate(row_ids[k])}: the prompt with its images' vision tokens is longer than "
+                f"data.max_prompt_length={limit}, and a prompt with images cannot be truncated; raise the limit, "
+                "set data.filter_overlong_prompts=true, or give smaller images"
+            )
 
 
 def _check_reserved(rows: Rows, prompt_key: str) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from ketch.config.schema import DataConfig
 from ketch.data.chat_templates import format_prompt, get_chat_template
 from ketch.data.errors import DatasetError
+from ketch.data.images import with_image_markers
 from ketch.data.parquet import Rows
 
 logger = logging.getLogger("ketch.data")
@@ -24,7 +25,8 @@ def first_rows(rows: Rows, config: DataConfig) -> np.ndarray:
 
 
 def prompt_texts(rows: Rows, row_ids: np.ndarray, tokenizer: Any, config: DataConfig) -> list[str]:
-    """The prompt text of each row in `row_ids` (see `format_prompt`); a bad prompt cell names its file and row."""
+    """The prompt text of each row in `row_ids` (see `format_prompt`; images in a message's content list become
+    `<image>` placeholders); a bad prompt cell names its file and row."""
     if config.chat_template:
         try:
             get_chat_template(config.chat_template)
@@ -34,7 +36,11 @@ def prompt_texts(rows: Rows, row_ids: np.ndarray, tokenizer: Any, config: DataCo
     texts = []
     for row in row_ids:
         try:
-            texts.append(format_prompt(column[row], tokenizer, config.chat_template, config.apply_chat_template))
+            texts.append(
+                format_prompt(
+                    with_image_markers(column[row]), tokenizer, config.chat_template, config.apply_chat_template
+                )
+            )
         except ValueError as e:
             raise DatasetError(f"{rows.locate(row)}, column {config.prompt_key!r}: {e}") from None
     return texts

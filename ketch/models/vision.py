@@ -18,13 +18,15 @@ from typing import Any
 import transformers
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VISION_FAMILIES = {
-    "qwen2_vl": "Qwen2VLProcessor",
-    "qwen2_5_vl": "Qwen2_5_VLProcessor",
-    "qwen3_vl": "Qwen3VLProcessor",
-    "gemma3": "Gemma3Processor",
+    "qwen2_vl": ("Qwen2VLProcessor", QWEN_IMAGE),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", QWEN_IMAGE),
+    "qwen3_vl": ("Qwen3VLProcessor", QWEN_IMAGE),
+    "gemma3": ("Gemma3Processor", "<start_of_image>"),
 }
-"""The vision-language families ketch trains, by `model_type`, with their processor class."""
+"""The vision-language families ketch trains, by `model_type`: their processor class, and the text that stands for
+one image in a prompt (the processor expands it into the image's vision tokens)."""
 
 
 class VisionModelError(ValueError):
@@ -45,10 +47,13 @@ def vision_family(model_path: str | Path) -> str | None:
     return config.model_type
 
 
-def _image_only(processor_class: type) -> type:
-    """`processor_class` without its video processor among the parts it is built from."""
+def _image_only(processor_class: type, placeholder: str) -> type:
+    """`processor_class` without its video processor among the parts it is built from, whose `image_placeholder` is
+    `placeholder`."""
 
     class ImageOnly(processor_class):
+        image_placeholder = placeholder
+
         @classmethod
         def get_attributes(cls) -> list[str]:
             return [name for name in super().get_attributes() if name != "video_processor"]
@@ -62,12 +67,13 @@ def load_image_processor(model_path: str | Path, tokenizer: Any | None = None) -
     one saved there) and its image processor's PIL backend, without a video processor (see the module's docstring).
 
     Calling it as `processor(text=[...], images=[...], return_tensors="pt")` gives `input_ids` with the vision tokens
-    expanded, and the family's image inputs (`pixel_values`; Qwen's `image_grid_thw` `[images, 3]`).
+    expanded, and the family's image inputs (`pixel_values`; Qwen's `image_grid_thw` `[images, 3]`). Its
+    `image_placeholder` is the text that stands for one image in a prompt.
     """
     family = vision_family(model_path)
     if family is None:
         raise VisionModelError(f"{model_path} has no vision_config: it is not a vision-language model")
-    processor_class = _image_only(getattr(transformers, VISION_FAMILIES[family]))
+    processor_class = _image_only(getattr(transformers, VISION_FAMILIES[family][0]), VISION_FAMILIES[family][1])
     try:
         image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
     except (OSError, ValueError) as err:

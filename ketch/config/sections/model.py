@@ -21,6 +21,10 @@ class DataConfig:
     """Parquet files of validation prompts; empty disables validation."""
     prompt_key: str = "prompt"
     """Column holding the prompt: a string or a chat message list [{role, content}, ...]."""
+    image_key: str = "images"
+    """Column holding each prompt's images, for a vision-language model (verl's layout): one image or a list, each
+    PNG/JPEG bytes, a file path or a {bytes, path} dict, placed by `<image>` in the prompt text or by
+    {"type": "image"} entries in a message's content list. A missing column means no images."""
     response_key: str = "response"
     """Column holding the target response (SFT only)."""
     chosen_key: str = "chosen"
