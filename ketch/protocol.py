@@ -38,6 +38,18 @@ def object_array(values: Sequence[Any]) -> np.ndarray:
 
 @dataclass
 class DataProto:
+    """Rows of samples that travel together: tensors, per-sample Python values and the call's settings.
+
+    Attributes:
+        batch: Tensors that share their first dimension, the rows (e.g. `responses` `[batch, response_len]`).
+        non_tensor_batch: 1-D numpy object arrays of the same length (raw prompts, ground truth, data sources);
+            other sequences given here are converted.
+        meta_info: Settings of the call that hold for every row (e.g. `temperature`).
+
+    Raises:
+        DataProtoError: If the entries of `batch` and `non_tensor_batch` differ in length.
+    """
+
     batch: dict[str, torch.Tensor] = field(default_factory=dict)
     non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
     meta_info: dict[str, Any] = field(default_factory=dict)
@@ -58,12 +70,29 @@ class DataProto:
         non_tensors: dict[str, Any] | None = None,
         meta_info: dict[str, Any] | None = None,
     ) -> DataProto:
-        """Build from separate dicts of tensors and of per-sample Python values."""
+        """Build from separate dicts of tensors and of per-sample Python values.
+
+        Args:
+            tensors: The `batch` entries (None: none).
+            non_tensors: The `non_tensor_batch` entries, each a sequence with one value per row.
+            meta_info: The call's settings.
+
+        Returns:
+            A new DataProto (the dicts are copied, their values are not).
+        """
         return cls(dict(tensors or {}), dict(non_tensors or {}), dict(meta_info or {}))
 
     @classmethod
     def from_single_dict(cls, data: dict[str, Any], meta_info: dict[str, Any] | None = None) -> DataProto:
-        """Build from one dict, sorting tensors into `batch` and everything else into `non_tensor_batch`."""
+        """Build from one dict, sorting tensors into `batch` and everything else into `non_tensor_batch`.
+
+        Args:
+            data: Column name -> a tensor or a sequence with one value per row.
+            meta_info: The call's settings.
+
+        Returns:
+            A new DataProto.
+        """
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         others = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
         return cls.from_dict(tensors, others, meta_info)
@@ -77,7 +106,15 @@ class DataProto:
         return 0
 
     def __getitem__(self, index: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> Any:
-        """An int gives one row as a dict; a slice, index array or boolean mask gives a DataProto."""
+        """Rows by position.
+
+        Args:
+            index: An int, a slice, an array of row indices or a boolean mask over the rows.
+
+        Returns:
+            For an int, that row as a dict of every key's value; otherwise a DataProto of the chosen rows (with a
+            copy of `meta_info`).
+        """
         if isinstance(index, int | np.integer):
             row: dict[str, Any] = {k: v[index] for k, v in self.batch.items()}
             return row | {k: v[index] for k, v in self.non_tensor_batch.items()}
@@ -103,6 +140,11 @@ class DataProto:
         )
 
     def keys(self) -> list[str]:
+        """The names of the columns.
+
+        Returns:
+            The keys of `batch`, then those of `non_tensor_batch`.
+        """
         return [*self.batch, *self.non_tensor_batch]
 
     def select(
@@ -111,7 +153,19 @@ class DataProto:
         non_tensor_keys: Iterable[str] | None = None,
         meta_keys: Iterable[str] | None = None,
     ) -> DataProto:
-        """A new DataProto with only the named keys (None keeps all of that kind)."""
+        """A new DataProto with only the named keys; the values are shared, not copied.
+
+        Args:
+            batch_keys: Keys of `batch` to keep (None: all).
+            non_tensor_keys: Keys of `non_tensor_batch` to keep (None: all).
+            meta_keys: Keys of `meta_info` to keep (None: all).
+
+        Returns:
+            The selection.
+
+        Raises:
+            DataProtoError: If a named key is missing.
+        """
         return DataProto(
             _pick(self.batch, batch_keys, "batch"),
             _pick(self.non_tensor_batch, non_tensor_keys, "non_tensor_batch"),
@@ -124,7 +178,19 @@ class DataProto:
         non_tensor_keys: Iterable[str] = (),
         meta_keys: Iterable[str] = (),
     ) -> DataProto:
-        """Remove the named keys from this DataProto and return them as a new one."""
+        """Remove the named keys from this DataProto and return them as a new one.
+
+        Args:
+            batch_keys: Keys of `batch` to remove.
+            non_tensor_keys: Keys of `non_tensor_batch` to remove.
+            meta_keys: Keys of `meta_info` to remove.
+
+        Returns:
+            A DataProto holding the removed entries.
+
+        Raises:
+            DataProtoError: If a named key is missing (nothing is removed then).
+        """
         popped = self.select(batch_keys, non_tensor_keys, meta_keys)
         for key in popped.batch:
             del self.batch[key]
@@ -136,7 +202,17 @@ class DataProto:
 
     # ----------------------------------------------------------------- combination
     def union(self, other: DataProto) -> DataProto:
-        """Merge `other`'s keys into a new DataProto; keys present in both must hold equal values."""
+        """Merge `other`'s keys into a new DataProto.
+
+        Args:
+            other: A DataProto of the same length (or an empty one).
+
+        Returns:
+            A DataProto with the keys of both.
+
+        Raises:
+            DataProtoError: If the lengths differ, or a key present in both holds different values.
+        """
         if len(self) and len(other) and len(self) != len(other):
             raise DataProtoError(f"cannot union DataProtos of lengths {len(self)} and {len(other)}")
         for key in self.batch.keys() & other.batch.keys():
@@ -158,7 +234,17 @@ class DataProto:
 
     @staticmethod
     def concat(parts: Sequence[DataProto]) -> DataProto:
-        """Stack DataProtos with the same keys row-wise; meta_info is taken from the first."""
+        """Stack DataProtos with the same keys row-wise.
+
+        Args:
+            parts: The DataProtos, in row order.
+
+        Returns:
+            One DataProto of all their rows, with a copy of the first part's `meta_info`.
+
+        Raises:
+            DataProtoError: If `parts` is empty or the parts' keys differ.
+        """
         if not parts:
             raise DataProtoError("concat needs at least one DataProto")
         keys = set(parts[0].keys())
@@ -172,7 +258,17 @@ class DataProto:
         )
 
     def chunk(self, chunks: int) -> list[DataProto]:
-        """Split into `chunks` equal parts; the length must divide (see `pad_to_divisor`)."""
+        """Split into equal parts.
+
+        Args:
+            chunks: The number of parts; it must divide the length (pad first with `pad_to_divisor`).
+
+        Returns:
+            `chunks` DataProtos of consecutive rows.
+
+        Raises:
+            DataProtoError: If `chunks` is below 1 or does not divide the length.
+        """
         if chunks < 1 or len(self) % chunks:
             raise DataProtoError(
                 f"cannot chunk a DataProto of length {len(self)} into {chunks} equal parts; "
@@ -181,32 +277,77 @@ class DataProto:
         return self.split(len(self) // chunks) if len(self) else [self._take(slice(0, 0), slice(0, 0))] * chunks
 
     def split(self, size: int) -> list[DataProto]:
-        """Consecutive parts of `size` rows (the last one may be shorter)."""
+        """Split into consecutive parts of `size` rows.
+
+        Args:
+            size: Rows per part; the last part may be shorter.
+
+        Returns:
+            The parts, in order.
+
+        Raises:
+            DataProtoError: If `size` is below 1.
+        """
         if size < 1:
             raise DataProtoError(f"split size must be >= 1, got {size}")
         return [self[start : start + size] for start in range(0, len(self), size)]
 
     def repeat(self, times: int, interleave: bool = True) -> DataProto:
-        """Repeat every row `times` times: interleaved (a a b b) or tiled (a b a b)."""
+        """Repeat every row.
+
+        Args:
+            times: How many copies of each row.
+            interleave: True: a row's copies are adjacent (a a b b); False: the whole batch is tiled (a b a b).
+
+        Returns:
+            A DataProto `times` times as long.
+        """
         order = np.arange(len(self))
         index = np.repeat(order, times) if interleave else np.tile(order, times)
         return self[index]
 
     def reorder(self, indices: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
-        """Rows in the order given by `indices` (a permutation)."""
+        """Rows in a new order.
+
+        Args:
+            indices: A permutation of the row indices.
+
+        Returns:
+            A DataProto whose row i is row `indices[i]` of this one.
+        """
         return self[indices]
 
     def to(self, device: str | torch.device) -> DataProto:
-        """Move every tensor to `device` (in place; returns self)."""
+        """Move every tensor of `batch` to `device`, in place.
+
+        Args:
+            device: The target device.
+
+        Returns:
+            This DataProto.
+        """
         self.batch = {k: v.to(device) for k, v in self.batch.items()}
         return self
 
     # ----------------------------------------------------------------- persistence
     def save_to_disk(self, path: str | Path) -> None:
+        """Write this DataProto to a file with `torch.save`.
+
+        Args:
+            path: The file to write.
+        """
         torch.save({"batch": self.batch, "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}, path)
 
     @classmethod
     def load_from_disk(cls, path: str | Path) -> DataProto:
+        """Read a DataProto written by `save_to_disk` (unpickled: only load files you trust).
+
+        Args:
+            path: The file to read.
+
+        Returns:
+            The DataProto.
+        """
         data = torch.load(path, weights_only=False)
         return cls(data["batch"], data["non_tensor_batch"], data["meta_info"])
 

@@ -247,8 +247,19 @@ class AdvEstimator:
 def register_adv_estimator(name: str, *, whiten: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator registering `fn(token_level_rewards, response_mask, **context) -> (advantages, returns)`.
 
-    `whiten=True` lets `robust_compute_advantage` whiten its advantages over valid tokens when
-    `normalize_advantage` is set. Registering a taken name raises ValueError.
+    `fn` gets `[batch, response_len]` tensors and the keyword context described in this module, and returns
+    advantages and returns of the same shape.
+
+    Args:
+        name: The name `algorithm.adv_estimator` selects it by.
+        whiten: Whether `robust_compute_advantage` may whiten its advantages over valid tokens (when
+            `normalize_advantage` is set).
+
+    Returns:
+        A decorator that registers `fn` and returns it unchanged.
+
+    Raises:
+        ValueError: When the decorator is applied, if `name` is already registered.
     """
 
     def decorate(fn: EstimatorFn) -> EstimatorFn:
@@ -259,7 +270,17 @@ def register_adv_estimator(name: str, *, whiten: bool = False) -> Callable[[Esti
 
 
 def get_adv_estimator(name: str) -> AdvEstimator:
-    """The estimator registered as `name`; an unknown name raises ValueError listing the registered ones."""
+    """The estimator registered as `name`.
+
+    Args:
+        name: A registered estimator's name (`algorithm.adv_estimator`).
+
+    Returns:
+        The `AdvEstimator`, called as `fn(token_level_rewards, response_mask, **context)`.
+
+    Raises:
+        ValueError: If no estimator is registered as `name` (the message lists those that are).
+    """
     return ADV_ESTIMATORS.get(name)
 
 

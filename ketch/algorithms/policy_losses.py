@@ -22,7 +22,17 @@ Count = int | float | torch.Tensor | None
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator registering a policy loss with the calling convention described in this module."""
+    """Decorator registering a policy loss with the calling convention described in this module.
+
+    Args:
+        name: The name `actor.policy_loss` selects it by.
+
+    Returns:
+        A decorator that registers `fn` and returns it unchanged.
+
+    Raises:
+        ValueError: When the decorator is applied, if `name` is already registered.
+    """
 
     def decorate(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES.add(name, fn)
@@ -32,12 +42,26 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss registered as `name`; an unknown name raises ValueError listing the registered ones."""
+    """The policy loss registered as `name`.
+
+    Args:
+        name: A registered loss's name (`actor.policy_loss`).
+
+    Returns:
+        The loss function, `fn(old_log_prob, log_prob, advantages, response_mask, **settings) -> (loss, metrics)`.
+
+    Raises:
+        ValueError: If no loss is registered as `name` (the message lists those that are).
+    """
     return POLICY_LOSSES.get(name)
 
 
 def policy_loss_names() -> list[str]:
-    """The registered policy-loss names, sorted."""
+    """The names of the registered policy losses.
+
+    Returns:
+        The names, sorted.
+    """
     return POLICY_LOSSES.names()
 
 

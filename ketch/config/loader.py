@@ -40,8 +40,22 @@ def load_config(
 ) -> KetchConfig:
     """Merge the defaults of `command`, the YAML file and the overrides into a validated, frozen `KetchConfig`.
 
-    `typed`: the overrides are a command line a person typed (`ketch ...` passes True), where a key given twice
-    is a `ConfigError`; code that composes override lists (a base, then changes) gets the last value."""
+    Args:
+        config_path: A YAML file of settings (None: none).
+        overrides: `key.path=value` strings (also `--key.path=value`, or `--key.path` then `value`); values are
+            parsed as YAML.
+        command: The command whose defaults apply: `train`, `sft`, `rm` (see `COMMAND_DEFAULTS`).
+        typed: The overrides are a command line a person typed (`ketch ...` passes True), where a key given twice
+            is an error; code that composes override lists (a base, then changes) gets the last value.
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: For an unknown key, a value of the wrong type or out of range, keys that cannot run
+            together, a key given twice in the YAML file (or on a typed command line), or a YAML file that is
+            missing or does not parse.
+    """
     tree = _as_tree(KetchConfig())
     for key, value in parse_overrides(list(COMMAND_DEFAULTS.get(command, ()))):
         _merge(tree, _nest(key, value), source=f"defaults of ketch {command}")

@@ -18,7 +18,19 @@ class Registration:
 
 
 def register(dispatch: DispatchMode = ONE_TO_ALL, execute: str = "all") -> Callable:
-    """Expose a worker method as a group method; `dispatch` splits/gathers, `execute` picks the ranks."""
+    """Decorator exposing a worker method as a method of its worker group.
+
+    Args:
+        dispatch: How the group splits the call's arguments over ranks and gathers the results (`ONE_TO_ALL`:
+            every rank gets the same arguments, the results come back as a list by rank).
+        execute: `all`: every rank runs it; `rank_zero`: only rank 0 runs it.
+
+    Returns:
+        A decorator that marks the method and returns it unchanged.
+
+    Raises:
+        ValueError: If `execute` is neither `all` nor `rank_zero`.
+    """
     if execute not in ("all", "rank_zero"):
         raise ValueError(f"execute must be 'all' or 'rank_zero', got {execute!r}")
 

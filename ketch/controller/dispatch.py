@@ -25,6 +25,14 @@ from ketch.protocol import DataProto, pad_to_divisor, unpad
 
 @dataclass(frozen=True)
 class DispatchMode:
+    """How a worker group splits one call over its ranks and gathers the results.
+
+    Attributes:
+        name: The mode's registered name.
+        dispatch: `dispatch(world_size, args, kwargs) -> (per-rank [(args, kwargs)], context)`.
+        collect: `collect(results of the ranks that return, in rank order, context) -> result`.
+    """
+
     name: str
     dispatch: Callable[[int, tuple, dict], tuple[list[tuple[tuple, dict]], dict]]
     collect: Callable[[list[Any], dict], Any]
@@ -84,6 +92,14 @@ _MODES: dict[str, DispatchMode] = {}
 
 
 def register_dispatch_mode(mode: DispatchMode) -> DispatchMode:
+    """Register `mode` under its name, replacing a mode registered under the same name.
+
+    Args:
+        mode: The mode.
+
+    Returns:
+        `mode`, for use with `@register(dispatch=...)`.
+    """
     _MODES[mode.name] = mode
     return mode
 

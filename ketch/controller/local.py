@@ -15,11 +15,22 @@ from ketch.controller.errors import WorkerError, describe
 
 
 class LocalWorkerGroup:
-    """Builds `worker_cls(*args, **kwargs)` in this process and exposes its registered methods."""
+    """Builds `worker_cls(*args, **kwargs)` in this process and exposes its registered methods.
+
+    A registered method is called on the group as on the worker; an exception it raises becomes a `WorkerError`
+    naming the role, rank 0 and the method, with the traceback."""
 
     world_size = 1
 
     def __init__(self, worker_cls: type, *args: Any, role: str = "worker", **kwargs: Any):
+        """Build the worker.
+
+        Args:
+            worker_cls: A `Worker` subclass.
+            *args: Positional arguments of `worker_cls`.
+            role: The role's name in error messages.
+            **kwargs: Keyword arguments of `worker_cls`.
+        """
         self.role = role
         self.worker = worker_cls(*args, **kwargs)
         self.layout = DataParallelLayout.flat(1)

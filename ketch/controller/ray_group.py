@@ -148,6 +148,19 @@ class RayWorkerGroup:
         timeout: float | None = None,
         env: dict[str, str] | None = None,
     ):
+        """Start the worker processes and give them rank 0's rendezvous address.
+
+        Args:
+            pool: Where the processes run, one per slot.
+            workers: One worker spec (its methods are bound on the group), or role name -> spec for roles that
+                share each process.
+            timeout: Seconds a call may take before `WorkerTimeoutError` (None: no limit).
+            env: More environment variables for every process.
+
+        Raises:
+            WorkerError: If a process fails, dies (`WorkerDiedError`) or overruns (`WorkerTimeoutError`) while
+                starting.
+        """
         roles = workers if isinstance(workers, dict) else {workers.cls.__name__: workers}
         self.pool, self.timeout = pool, timeout
         self.world_size = pool.world_size
@@ -182,12 +195,39 @@ class RayWorkerGroup:
         )
 
     def role(self, name: str) -> RoleGroup:
+        """The methods of one role hosted by this group.
+
+        Args:
+            name: The role's name, a key of `workers`.
+
+        Returns:
+            Its `RoleGroup`: `group.role(name).method(...)` blocks and collects, `async_method(...)` returns a
+            `GroupCall`.
+
+        Raises:
+            KeyError: If the group does not host `name`.
+        """
         if name not in self.roles:
             raise KeyError(f"this worker group hosts roles {sorted(self.roles)}, not {name!r}")
         return self.roles[name]
 
     def wait(self, role: str, method: str, refs: dict[int, Any], timeout: float | None = None) -> dict[int, Any]:
-        """Results by rank, raising at the first failure rather than waiting for the slowest rank."""
+        """Wait for remote calls, raising at the first failure rather than waiting for the slowest rank.
+
+        Args:
+            role: The role, for error messages.
+            method: The method, for error messages.
+            refs: Rank -> the Ray object reference of its call.
+            timeout: Seconds to wait in all (None: the group's timeout).
+
+        Returns:
+            Rank -> result.
+
+        Raises:
+            WorkerError: A rank's call raised (with the remote traceback).
+            WorkerDiedError: A rank's process died.
+            WorkerTimeoutError: Not every rank returned within the timeout.
+        """
         pending = {ref: rank for rank, ref in refs.items()}
         results: dict[int, Any] = {}
         timeout = timeout or self.timeout

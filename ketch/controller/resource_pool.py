@@ -28,6 +28,17 @@ class RayResourcePool:
     def __init__(
         self, process_on_nodes: list[int], use_gpu: bool = False, max_colocate_count: int = 1, name: str = "ketch"
     ):
+        """Describe the pool; its placement groups are created by the first `slots` call.
+
+        Args:
+            process_on_nodes: The number of worker processes on each node.
+            use_gpu: Whether a bundle holds a GPU (and a CPU) or only a CPU.
+            max_colocate_count: How many worker processes may share one bundle's device.
+            name: The prefix of the placement groups' names.
+
+        Raises:
+            ValueError: If `process_on_nodes` is empty or lists fewer than one process for a node.
+        """
         if not process_on_nodes or min(process_on_nodes) < 1:
             raise ValueError(f"process_on_nodes must list >= 1 process per node, got {process_on_nodes}")
         self.process_on_nodes, self.use_gpu = list(process_on_nodes), use_gpu
@@ -36,13 +47,29 @@ class RayResourcePool:
 
     @property
     def world_size(self) -> int:
+        """The number of worker processes in all."""
         return sum(self.process_on_nodes)
 
     def bundle(self) -> dict[str, float]:
+        """The resources of one bundle, as Ray names them.
+
+        Returns:
+            `{"CPU": 1, "GPU": 1}` with `use_gpu`, else `{"CPU": 1}`.
+        """
         return {"CPU": 1, "GPU": 1} if self.use_gpu else {"CPU": 1}
 
     def slots(self, timeout: float = 120.0) -> list[Slot]:
-        """One slot per rank, creating the placement groups (one per node entry) on first use."""
+        """Where each rank runs, creating the placement groups (one per node entry) on first use.
+
+        Args:
+            timeout: Seconds to wait for Ray to place the bundles.
+
+        Returns:
+            One `Slot` per rank, node by node.
+
+        Raises:
+            RuntimeError: If Ray cannot place the bundles within `timeout`.
+        """
         if self._groups is None:
             self._groups = self._create(timeout)
         return [
@@ -70,6 +97,11 @@ class RayResourcePool:
         return groups
 
     def release(self, groups: list[PlacementGroup] | None = None) -> None:
+        """Remove placement groups.
+
+        Args:
+            groups: The groups to remove (None: the pool's own, which the next `slots` call creates again).
+        """
         for group in groups or self._groups or []:
             remove_placement_group(group)
         if groups is None:

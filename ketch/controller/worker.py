@@ -18,28 +18,38 @@ class Worker:
 
     @property
     def rank(self) -> int:
+        """This process's rank in its group (`RANK`; 0 without it)."""
         return int(os.environ.get("RANK", 0))
 
     @property
     def world_size(self) -> int:
+        """The number of processes in the group (`WORLD_SIZE`; 1 without it)."""
         return int(os.environ.get("WORLD_SIZE", 1))
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node, the index of its device (`LOCAL_RANK`; 0 without it)."""
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
     def master_addr(self) -> str | None:
+        """The address of rank 0's node for torch.distributed (`MASTER_ADDR`; None until it is set)."""
         return os.environ.get("MASTER_ADDR")
 
     @property
     def master_port(self) -> str | None:
+        """The rendezvous port on rank 0's node (`MASTER_PORT`; None until it is set)."""
         return os.environ.get("MASTER_PORT")
 
     def dispatch_rank(self) -> tuple[int, bool]:
-        """(data-parallel rank of this process, whether it returns that rank's results) for data-parallel dispatch
-        (`DataParallelLayout`). Every process is its own data-parallel rank unless a role with tensor or
-        pipeline parallelism says otherwise; asked once when a group starts, so it must not need `init_model`."""
+        """This process's place for data-parallel dispatch (`DataParallelLayout`).
+
+        Every process is its own data-parallel rank unless a role with tensor or pipeline parallelism overrides
+        this; asked once when a group starts, so it must not need `init_model`.
+
+        Returns:
+            (the data-parallel rank of this process, whether it returns that rank's results).
+        """
         return self.rank, True
 
     @register(ONE_TO_ALL)

@@ -19,7 +19,18 @@ class UnknownDataSourceError(ValueError):
 
 
 def register_scorer(*data_sources: str) -> Callable[[Scorer], Scorer]:
-    """Decorator registering `fn` as the scorer of every name in `data_sources`."""
+    """Decorator registering `fn(data_source, solution_str, ground_truth, extra_info) -> float | dict` as the scorer
+    of every name in `data_sources`.
+
+    Args:
+        *data_sources: The `data_source` values of the rows it scores.
+
+    Returns:
+        A decorator that registers `fn` and returns it unchanged.
+
+    Raises:
+        ValueError: If no data source is given, or (when the decorator is applied) one already has another scorer.
+    """
     if not data_sources:
         raise ValueError("register_scorer needs at least one data source name, e.g. @register_scorer('my/task')")
 
@@ -38,7 +49,11 @@ def register_scorer(*data_sources: str) -> Callable[[Scorer], Scorer]:
 
 
 def known_data_sources() -> list[str]:
-    """The data sources that have a registered scorer, sorted."""
+    """The data sources that have a registered scorer.
+
+    Returns:
+        Their names, sorted.
+    """
     return sorted(_SCORERS)
 
 

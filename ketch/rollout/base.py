@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -32,21 +32,46 @@ class Rollout(ABC):
     round's tokens as `max_new_tokens`."""
 
     @abstractmethod
-    def generate(self, prompts: DataProto) -> DataProto: ...
+    def generate(self, prompts: DataProto) -> DataProto:
+        """Sample one response per row.
+
+        Args:
+            prompts: `input_ids`, `attention_mask`, `position_ids` `[batch, prompt_len]` (left-padded), and in
+                `meta_info` the call's optional `do_sample`, `temperature`, `max_new_tokens` and `stop`.
+
+        Returns:
+            `prompts`, `responses`, `response_mask`, `input_ids`, `attention_mask`, `position_ids` and
+            `rollout_log_probs`, shaped as the class describes.
+        """
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights, given as (HF parameter name, full tensor) pairs, without touching disk. A tensor may
-        be valid only until the next one is drawn (the training engine frees each gathered unit): copy it then."""
+        """Load new weights without touching disk.
+
+        Args:
+            named_tensors: (HF parameter name, full tensor) pairs. A tensor may be valid only until the next one is
+                drawn (the training engine frees each gathered unit): copy it then.
+        """
 
     @abstractmethod
     def weight_norm(self, name: str) -> float:
-        """The norm of one parameter as the engine holds it (checks a weight hand-off)."""
+        """The norm of one parameter as the backend holds it (checks a weight hand-off).
+
+        Args:
+            name: The HF parameter name.
+
+        Returns:
+            Its norm.
+        """
 
     def warm_up(self, prompts: DataProto) -> None:
-        """Get ready, before the first step, for `generate` calls on batches shaped like `prompts` (the first
-        step's, as this process will get them): load or compile, and capture, what their first call would. A
-        no-op where the backend has nothing to prepare per shape."""
+        """Get ready, before the first step, for `generate` calls on batches shaped like `prompts`: load or
+        compile, and capture, what their first call would. A no-op where the backend has nothing to prepare per
+        shape.
+
+        Args:
+            prompts: A batch shaped like the first step's, as this process will get it.
+        """
         return None
 
     dropped_weights = False
@@ -61,8 +86,17 @@ class Rollout(ABC):
         return None
 
 
-def register_rollout(name: str):
-    """Register a backend class under `rollout.name`."""
+def register_rollout(name: str) -> Callable[[type[Rollout]], type[Rollout]]:
+    """Decorator registering a `Rollout` subclass as the backend `rollout.name=name`.
+
+    A registered name is replaced. The class is built as `cls(config, model_path, tokenizer, dtype, device, seed)`.
+
+    Args:
+        name: The backend's name.
+
+    Returns:
+        A decorator that registers the class and returns it.
+    """
 
     def wrap(cls):
         _BACKENDS[name] = cls

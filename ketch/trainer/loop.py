@@ -45,9 +45,17 @@ class RunFailedError(RuntimeError):
 
 
 class TrainingLoop:
-    """Subclasses set `config`, `run_dir`, `loader`, `total_steps`, `step_size` and `val_set` (None: no validation)
-    and implement `_build_groups`, `_trained_roles`, `_train_step` and `_validate`; the other methods under "for
-    subclasses" have defaults. A trainer that writes the actor sets `model_path` and `tokenizer` too."""
+    """The loop every trainer runs: steps, logging, validation, checkpoints, resume, recovery and the model's export.
+
+    A subclass sets `config`, `run_dir`, `loader`, `total_steps`, `step_size` and `val_set` (None: no validation)
+    in its `__init__` (a trainer that writes the actor sets `model_path` and `tokenizer` too) and implements:
+
+    - `_build_groups() -> WorkerGroups`: start the workers and load their models (again after a failure);
+    - `_trained_roles() -> dict[str, group]`: the groups a checkpoint holds, by their directory in it;
+    - `_train_step(batch: DataProto, step: int) -> dict[str, float]`: one step on a batch of `loader`, its metrics;
+    - `_validate(step: int) -> dict[str, float]`: the `val/...` metrics after `step` (0: before the first).
+
+    The other methods under "for subclasses" in `loop.py` have defaults."""
 
     step = 0
     step_size: str
@@ -60,9 +68,18 @@ class TrainingLoop:
 
     @owns_run_dir
     def fit(self) -> dict[str, float]:
-        """Train until `total_steps`, recovering from failed steps, and export the model; returns the last step's
-        metrics. A failure that ends the run is recorded (event, summary, report) before it propagates. The run
-        directory is locked throughout (`owns_run_dir`)."""
+        """Train until `total_steps`, recovering from failed steps, and export the model.
+
+        The run directory is locked throughout; a failure that ends the run is recorded (event, summary, report)
+        before it propagates.
+
+        Returns:
+            The last step's metrics.
+
+        Raises:
+            RunDirBusyError: If another run holds the run directory.
+            RunFailedError: If more steps failed than `trainer.max_retries` allows.
+        """
         self._open()
         try:
             while True:
@@ -212,7 +229,12 @@ class TrainingLoop:
         return path
 
     def engine_config(self) -> dict[str, Any]:
-        """The rollout settings of this run, as `vllm serve` takes them (`vllm_engine_config.json`)."""
+        """The rollout settings of this run, as `vllm serve` takes them.
+
+        Returns:
+            `tensor_parallel_size`, `max_model_len`, `dtype`, `stop_token_ids` and `gpu_memory_utilization`, as
+            written to `vllm_engine_config.json`.
+        """
         c, r = self.config, self.config.rollout
         dtype = (
             c.model.dtype
@@ -345,7 +367,15 @@ class TrainingLoop:
         info(f"report: {path}")
 
     def summary(self, metrics: dict[str, float]) -> str:
-        """First vs last validation accuracy and reward, and where the outputs are."""
+        """The end-of-run summary.
+
+        Args:
+            metrics: The last step's metrics (`fit`'s result).
+
+        Returns:
+            Lines of text: first vs last validation accuracy, the last step's reward, and where the metrics,
+            checkpoint and model are.
+        """
         lines = [f"finished {self.step} steps; run directory {self.run_dir}"]
         if self.val_history:
             first, last = self.val_history[0], self.val_history[-1]

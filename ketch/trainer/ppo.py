@@ -52,9 +52,20 @@ logger = logging.getLogger("ketch")
 
 
 class PPOTrainer(TrainingLoop):
-    """PPO (actor + critic + GAE) or a critic-free estimator (GRPO, RLOO, REINFORCE++, ReMax), per config."""
+    """PPO (actor + critic + GAE) or a critic-free estimator (GRPO, RLOO, REINFORCE++, ReMax), per config: what
+    `ketch train` runs. `fit` (from `TrainingLoop`) trains, validates, checkpoints and writes the model."""
 
     def __init__(self, config: KetchConfig):
+        """Run the start-up checks, resolve the model (a built-in one is warmed up here) and load the data; no
+        worker starts before `fit`.
+
+        Args:
+            config: The run's config (`load_config`).
+
+        Raises:
+            StartupError: If a start-up check fails (directories, vLLM, the attention kernel, the data); the
+                checks' other errors (`ConfigError`, `DatasetError`, `ModelLoadError`) propagate as they are.
+        """
         self.config = c = config
         columns = RLHFDataset.required_columns(c.data)
         model = check_start(c, columns, resolve_model_path, scored=True, settings=self._check_settings)

@@ -35,6 +35,16 @@ class RMTrainer(TrainingLoop):
     tracker_step_lines = False
 
     def __init__(self, config: KetchConfig):
+        """Run the start-up checks, resolve the model and load the pairs; no worker starts before `fit` (from
+        `TrainingLoop`).
+
+        Args:
+            config: The run's config (`load_config(..., command="rm")`).
+
+        Raises:
+            StartupError: If a start-up check fails (directories, vLLM, the attention kernel, the data); the
+                checks' other errors (`ConfigError`, `DatasetError`, `ModelLoadError`) propagate as they are.
+        """
         self.config = c = config
         columns = PreferenceDataset.required_columns(c.data)
         model = check_start(c, columns, resolve_model_path, trains="reward_model", settings=self._check_sizes)

@@ -40,6 +40,17 @@ class SFTTrainer(TrainingLoop):
     tracker_step_lines = False
 
     def __init__(self, config: KetchConfig, model_path: str | Callable[[KetchConfig], str] | None = None):
+        """Run the start-up checks, resolve the model and load the data; no worker starts before `fit`.
+
+        Args:
+            config: The run's config (`load_config(..., command="sft")`).
+            model_path: The model's directory or hub id, or a function of the config that resolves it (None:
+                `model.path` as it is, which must not be a built-in model).
+
+        Raises:
+            ValueError: If `model.path` is a built-in model and `model_path` is not given.
+            StartupError: If a start-up check fails; the checks' other errors propagate as they are.
+        """
         # SFT generates only to validate, in the actor's processes: a standalone rollout is an RL placement
         self.config = c = replace(config, rollout=replace(config.rollout, placement="hybrid", staleness=0))
         if model_path is None and c.model.path.startswith("builtin:"):
@@ -79,11 +90,20 @@ class SFTTrainer(TrainingLoop):
     def fit(
         self, stop_when: Callable[[Metrics], bool] | None = None, keep_when: Callable[[Metrics], bool] | None = None
     ) -> Metrics:
-        """Train, validate every `trainer.test_freq` steps, checkpoint, write the model (`TrainingLoop.fit`);
-        returns the last step's metrics. `stop_when`, given the metrics of a validated step, ends training early
-        when it returns True. `keep_when`, given the same, writes that step's model when it returns True, and the
-        model written last is the result (the last step's model is not written then); without it the result is
-        the last step's model."""
+        """Train, validate every `trainer.test_freq` steps, checkpoint and write the model (`TrainingLoop.fit`).
+
+        Args:
+            stop_when: Given the metrics of a validated step, ends training early when it returns True.
+            keep_when: Given the same, writes that step's model when it returns True; the model written last is
+                the result (the last step's model is not written then). None: the last step's model.
+
+        Returns:
+            The last step's metrics.
+
+        Raises:
+            RunDirBusyError: If another run holds the run directory.
+            RunFailedError: If more steps failed than `trainer.max_retries` allows.
+        """
         self.stop_when, self.keep_when, self.kept = stop_when, keep_when, None
         return super().fit()
 

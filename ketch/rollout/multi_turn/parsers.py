@@ -30,9 +30,18 @@ Parser = Callable[[str], list[ToolCall]]
 _PARSERS: dict[str, Parser] = {}
 
 
-def register_parser(name: str, stop: tuple[str, ...] = ()):
-    """Register `fn(text) -> list[ToolCall]` as the parser of `rollout.multi_turn.format=name`; `stop` are the
-    strings that end a tool call, where generation of the turn stops (kept as `fn.stop`)."""
+def register_parser(name: str, stop: tuple[str, ...] = ()) -> Callable[[Parser], Parser]:
+    """Decorator registering `fn(text) -> list[ToolCall]` as the parser of `rollout.multi_turn.format=name`.
+
+    A registered name is replaced.
+
+    Args:
+        name: The format's name.
+        stop: The strings that end a tool call, where generation of the turn stops (kept as `fn.stop`).
+
+    Returns:
+        A decorator that registers `fn` and returns it.
+    """
 
     def wrap(fn: Parser) -> Parser:
         fn.stop = tuple(stop)

@@ -45,8 +45,27 @@ class Tool:
         return {"type": "function", "function": function}
 
 
-def tool(fn: Callable | None = None, *, name: str | None = None, description: str | None = None, parameters=None):
-    """Mark `fn` as a tool (usable bare, `@tool`, or with overrides, `@tool(name=..., parameters=...)`)."""
+def tool(
+    fn: Callable | None = None,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    parameters: dict[str, Any] | None = None,
+) -> Callable:
+    """Mark `fn` as a tool: bare (`@tool`) or with overrides (`@tool(name=..., parameters=...)`).
+
+    What is not given is read from `fn`: its name, its docstring's first paragraph (the description) and `Args:`
+    section, and its signature's annotations (the JSON schema of the parameters).
+
+    Args:
+        fn: The function, when used bare.
+        name: The tool's name (default: the function's).
+        description: What the tool does, for the model.
+        parameters: The JSON schema of the arguments (an `object` schema).
+
+    Returns:
+        `fn` marked (used bare), else a decorator that marks the function it gets and returns it.
+    """
 
     def wrap(f: Callable) -> Callable:
         f.__ketch_tool__ = make_tool(f, name, description, parameters)
@@ -67,8 +86,16 @@ def make_tool(fn: Callable, name: str | None = None, description: str | None = N
 
 
 def register_tool(fn: Callable | Tool) -> Callable | Tool:
-    """Register a tool (a function or a `Tool`) under its name, for `rollout.multi_turn.tools=[name]`; returns
-    `fn` (usable as a decorator)."""
+    """Register a tool under its name, for `rollout.multi_turn.tools=[name]`; usable as a decorator.
+
+    A registered name is replaced.
+
+    Args:
+        fn: A function (marked with `@tool` or not) or a `Tool`.
+
+    Returns:
+        `fn`, unchanged.
+    """
     t = fn if isinstance(fn, Tool) else getattr(fn, "__ketch_tool__", None) or make_tool(fn)
     _REGISTRY[t.name] = t
     return fn
