@@ -60,11 +60,25 @@ ATTENTION_LAYERS = {"full_attention", "sliding_attention"}
 """The `config.layer_types` of layers that attend (others, e.g. linear attention or state-space layers, do not)."""
 
 
+def is_vision_model(config: Any) -> bool:
+    """Whether HF `config` is a vision-language model's (it has a `vision_config`), loaded with its image-text-to-text
+    class."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def causal_lm_problem(config: Any) -> str | None:
-    """Why the model of HF `config` is not a decoder-only causal LM that ketch can train, or None."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    """Why the model of HF `config` is not a decoder-only causal LM (or a vision-language model around one) that
+    ketch can train, or None."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
     name = ", ".join(getattr(config, "architectures", None) or []) or f"model_type={config.model_type!r}"
+    if is_vision_model(config):
+        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return None
+        return f"{name} has no image-text-to-text class in transformers (AutoModelForImageTextToText)"
     if getattr(config, "is_encoder_decoder", False):
         return f"{name} is an encoder-decoder model"
     if config.model_type in ENCODERS and not getattr(config, "is_decoder", False):
@@ -228,7 +242,10 @@ def attention_implementation_problem(config: Any, requested: str) -> str | None:
 def packing_problem(model: nn.Module) -> str | None:
     """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: the sequence
     offsets must reach the packed attention through transformers' attention interface, and the model must need no
-    more than it computes (`_fast_path_problem`)."""
+    more than it computes (`_fast_path_problem`). A vision-language model trains padded (its images and multimodal
+    rotary positions are not packed yet)."""
+    if is_vision_model(model.config):
+        return "a vision-language model's image inputs and multimodal rotary positions are not packed yet"
     return _fast_path_problem(model)
 
 
@@ -236,7 +253,10 @@ def static_decoding_problem(model: nn.Module) -> str | None:
     """Why the static decoder (`rollout/static_decoding.py`) cannot decode `model`, or None when it can: every
     block has one attention module, whose calls to transformers' attention interface the decoder's KV cache hooks
     into, the model needs no more than the decoder's attention computes (`_fast_path_problem`), and keys and
-    values have the config's head size (the cache's pages hold one size)."""
+    values have the config's head size (the cache's pages hold one size). A vision-language model decodes with
+    `generate`, which reads its images at prefill."""
+    if is_vision_model(model.config):
+        return "a vision-language model's images are read at prefill by generate"
     blocks = decoder_blocks(model)
     if not blocks or any(block_attention(block) is None for block in blocks):
         return "its decoder blocks have no single attention module each"

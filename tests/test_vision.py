@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import io
+import math
 import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
+from transformers import AutoConfig
 
+from ketch.config import load_config
 from ketch.config.schema import DataConfig
 from ketch.data.builtin.tokenizer import build_char_tokenizer
 from ketch.data.dataset import RLHFDataset
 from ketch.data.errors import DatasetError
-from ketch.models.vision import VisionModelError, load_image_processor, vision_family
+from ketch.models.vision import VisionModelError, load_image_processor, placeholder_token_ids, vision_family
+from ketch.trainer.ppo import PPOTrainer
 from tests.vision_models import FAMILIES, save_tiny_vlm
 
 
@@ -46,8 +51,6 @@ def test_processor_expands_each_placeholder_into_the_vision_tokens_without_torch
 
 def test_vision_family_names_a_text_model_none_and_refuses_an_unknown_family(tmp_path, vlm_dirs):
     assert vision_family(vlm_dirs["qwen2_vl"]) == "qwen2_vl"
-    from transformers import AutoConfig
-
     AutoConfig.for_model("llava", text_config={"model_type": "llama"}).save_pretrained(tmp_path)
     with pytest.raises(VisionModelError, match="llava vision-language model; ketch trains qwen2_vl"):
         vision_family(tmp_path)
@@ -119,3 +122,81 @@ def test_a_prompt_with_images_is_never_truncated(tmp_path, qwen_processor):
     rows = [{"prompt": "a <image>", "images": _png(56, 56)}]
     with pytest.raises(DatasetError, match=r"row 0: .* a prompt with images cannot be truncated; raise the limit"):
         _dataset(tmp_path, rows, qwen_processor, max_prompt_length=5, truncation="left")
+
+
+@pytest.fixture(scope="module")
+def image_task(tmp_path_factory) -> dict[str, str]:
+    """train/val Parquet files of 8 prompts with one image each, scored by `ketch/arithmetic` (`#### N`)."""
+    out = tmp_path_factory.mktemp("image-task")
+    rows = [
+        {
+            "prompt": f"<image>dots {i}?",
+            "images": [{"bytes": _png(28 + 4 * i, 40)}],
+            "answer": str(i % 3),
+            "data_source": "ketch/arithmetic",
+        }
+        for i in range(8)
+    ]
+    files = {split: str(out / f"{split}.parquet") for split in ("train", "val")}
+    for file in files.values():
+        pq.write_table(pa.Table.from_pylist(rows), file)
+    return files
+
+
+def _grpo_config(model_dir: str, files: dict[str, str], tmp_path, *overrides: str):
+    return load_config(
+        overrides=[
+            f"model.path={model_dir}",
+            f"data.train_files=[{files['train']}]",
+            f"data.val_files=[{files['val']}]",
+            "data.train_batch_size=4",
+            "data.max_prompt_length=48",
+            "data.max_response_length=6",
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=2",
+            "actor.ppo_mini_batch_size=null",
+            "trainer.total_steps=2",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "trainer.device=cpu",
+            f"trainer.default_local_dir={tmp_path / 'runs'}",
+            *overrides,
+        ]
+    )
+
+
+def _weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in trainer.actor_rollout.worker.actor.full_parameters()}
+
+
+PROJECTOR_AND_TOWER = {
+    "qwen": ("lm.model.visual.merger.", "lm.model.visual.blocks."),
+    "gemma3": ("lm.model.multi_modal_projector.", "lm.model.vision_tower."),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_grpo_steps_train_the_language_model_and_projector_with_the_images(tmp_path, vlm_dirs, image_task, family):
+    """The rollout reads the images at prefill and the training forward again (padded, `generate` on the CPU): in
+    float32 the rollout's log-probs are the training forward's."""
+    # a random model scores 0 everywhere (advantages 0): the entropy bonus gives every trained weight a gradient
+    trainer = PPOTrainer(_grpo_config(vlm_dirs[family], image_task, tmp_path, "actor.entropy_coeff=0.01"))
+    trainer._open()
+    before = _weights(trainer)
+    metrics = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
+    after = _weights(trainer)
+    trainer.groups.shutdown()
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    projector, tower = PROJECTOR_AND_TOWER["gemma3" if family == "gemma3" else "qwen"]
+    assert any(n.startswith("lm.model.language_model.") for n in changed)
+    assert any(n.startswith(projector) for n in changed)
+    assert not any(n.startswith(tower) for n in changed)  # model.freeze_vision_tower
+    assert metrics[0]["training/rollout_probs_diff_max"] < 1e-5
+    assert math.isfinite(metrics[1]["actor/pg_loss"])  # the second step ran its update
+
+
+def test_the_placeholder_tokens_a_rollout_never_samples_are_the_familys_image_and_video_tokens(vlm_dirs):
+    qwen, gemma = (AutoConfig.from_pretrained(vlm_dirs[family]) for family in ("qwen2_vl", "gemma3"))
+    assert placeholder_token_ids(qwen) == [qwen.image_token_id, qwen.video_token_id]
+    assert placeholder_token_ids(gemma) == [gemma.image_token_index, gemma.boi_token_index]

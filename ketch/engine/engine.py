@@ -31,6 +31,7 @@ from ketch.engine.lora import lora_layers, merged
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.optim import build_optimizer, build_scheduler, step_unless
 from ketch.engine.sequence_parallel import sequence_parallel_group
+from ketch.models.vision import image_model_inputs
 from ketch.protocol import DataProto
 
 logger = logging.getLogger("ketch.engine")
@@ -222,6 +223,9 @@ class TrainEngine:
         inputs = {k: micro.batch[k] for k in MODEL_INPUTS} | {
             k: micro.batch[k] for k in GIVEN_INPUTS if k in micro.batch
         }
+        if "multi_modal_inputs" in micro.non_tensor_batch:
+            images = micro.non_tensor_batch["multi_modal_inputs"]
+            kwargs["image_inputs"] = image_model_inputs(_hf_model(self.module).config, inputs["input_ids"], images)
         response_len = micro.batch["responses"].shape[-1]
         return self.module(**inputs, response_len=response_len, host_attention_mask=host_mask, **kwargs)
 

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from ketch.architecture import decoder, logit_transform, router, router_outputs
+from ketch.architecture import decoder, is_vision_model, logit_transform, router, router_outputs
 from ketch.determinism import disable_dropout, keep_in_eval
 from ketch.engine.fused_log_probs import token_log_probs
 from ketch.engine.load_balancing import load_balancing_loss
@@ -69,6 +69,7 @@ class PolicyModel(_Deterministic):
         given_experts: torch.Tensor | None = None,
         replay: bool = False,
         return_experts: bool = False,
+        image_inputs: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Inputs `[batch, seq]` (prompt then response); returns `log_prob` (and `entropy`) `[batch, response_len]`
         in float32, for logits divided by `temperature` as in sampling; 0 at response padding (attention_mask 0),
@@ -78,7 +79,11 @@ class PolicyModel(_Deterministic):
         With `route_experts`: `given_experts` `[batch, seq, moe_layers, top_k]` are routed to with `replay`, and
         `router_mismatch` `[batch, response_len]` is 1.0 where the token before a response token (whose hidden state
         scores it) chose other experts in some layer than given; `return_experts` returns the forward's own choice
-        as `routed_experts` `[batch, seq, moe_layers, top_k]` (zeros at padding)."""
+        as `routed_experts` `[batch, seq, moe_layers, top_k]` (zeros at padding).
+
+        A vision-language model runs padded, whole (vision encoder and language model), with `image_inputs` (the
+        batch's images, `ketch.models.vision.image_model_inputs`; None or empty: none) and the rotary positions it
+        computes itself from the tokens and the attention mask (Qwen's multimodal ones), as its `generate` does."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
         self.router_logits.clear()
         tokens = self._route(given_experts if replay else None, host, input_ids.device)
@@ -87,7 +92,10 @@ class PolicyModel(_Deterministic):
             args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
             states, labels, place = sharded_states(backbone, *args)
         else:
-            hidden = backbone_hidden(backbone, input_ids, attention_mask, position_ids, self.packed, host)
+            if is_vision_model(self.lm.config):
+                hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, **(image_inputs or {}))[0]
+            else:
+                hidden = backbone_hidden(backbone, input_ids, attention_mask, position_ids, self.packed, host)
             valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
             states = hidden[:, -response_len - 1 : -1][valid]
             labels = input_ids[:, -response_len:][valid]

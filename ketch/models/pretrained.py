@@ -17,6 +17,7 @@ import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -27,6 +28,7 @@ from ketch.architecture import (
     attention_implementation,
     attention_implementation_problem,
     causal_lm_problem,
+    is_vision_model,
     value_head_problem,
 )
 from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token, say_once
@@ -111,10 +113,13 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """An `AutoModelForCausalLM` from `path` on the CPU (callers move it), in `dtype`."""
+    """An `AutoModelForCausalLM` (a vision-language model: `AutoModelForImageTextToText`) from `path` on the CPU
+    (callers move it), in `dtype`."""
     quiet_transformers()
     config = load_model_config(path, trust_remote_code, override_config)
     kwargs = {"dtype": dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    if is_vision_model(config):
+        return _from_pretrained(AutoModelForImageTextToText, path, config, kwargs, "a vision-language model")
     return _from_pretrained(AutoModelForCausalLM, path, config, kwargs, "a causal LM")
 
 

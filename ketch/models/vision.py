@@ -15,8 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
+from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+from ketch.architecture import is_vision_model
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 VISION_FAMILIES = {
@@ -37,7 +41,7 @@ def vision_family(model_path: str | Path) -> str | None:
     """The `model_type` of the model at `model_path` when it is a vision-language model (its config has a
     `vision_config`), else None; a vision-language family outside `VISION_FAMILIES` raises `VisionModelError`."""
     config = AutoConfig.from_pretrained(model_path)
-    if getattr(config, "vision_config", None) is None:
+    if not is_vision_model(config):
         return None
     if config.model_type not in VISION_FAMILIES:
         raise VisionModelError(
@@ -93,3 +97,56 @@ def _processor_settings(model_path: str | Path) -> dict[str, Any]:
         return {}
     settings = json.loads(path.read_text())
     return {k: v for k, v in settings.items() if k not in ("processor_class", "image_processor", "video_processor")}
+
+
+_IMAGE_TENSORS = ("pixel_values", "image_grid_thw")
+"""The per-image tensors of a row's `multi_modal_inputs`, concatenated over the rows of a batch."""
+_PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "image_token_index", "boi_token_index")
+"""The config attributes naming a family's image/video placeholder tokens (Qwen's; Gemma 3's)."""
+
+
+def placeholder_token_ids(config: Any) -> list[int]:
+    """The ids of the image and video placeholder tokens of the model of HF `config`, which a rollout must never
+    sample: the training forward would look for an image behind each."""
+    ids = [int(getattr(config, name)) for name in _PLACEHOLDER_IDS if getattr(config, name, None) is not None]
+    return list(dict.fromkeys(ids))  # Gemma 3 names its image token twice
+
+
+def image_model_inputs(config: Any, input_ids: torch.Tensor, rows: Any) -> dict[str, torch.Tensor]:
+    """The keyword arguments that give a vision-language model (HF `config`) the images of a batch.
+
+    Args:
+        config: The model's HF config.
+        input_ids: The batch's tokens `[batch, seq]`, vision tokens included.
+        rows: Each row's `multi_modal_inputs` (`[batch]`, a dict each, empty for a row without images).
+
+    Returns:
+        `pixel_values` (`[patches, dim]` for Qwen, `[images, 3, height, width]` for Gemma 3) and Qwen's
+        `image_grid_thw` `[images, 3]`, the rows' concatenated in order, on `input_ids`' device, with the token types
+        the family reads (Qwen's `mm_token_type_ids`, 1 at image tokens, for its multimodal rotary positions; Gemma
+        3's `token_type_ids`); empty without images.
+    """
+    parts = [row for row in rows if row]
+    if not parts:
+        return {}
+    out = {
+        name: torch.cat([row[name] for row in parts]).to(input_ids.device)
+        for name in _IMAGE_TENSORS
+        if name in parts[0]
+    }
+    if config.model_type == "gemma3":
+        out["token_type_ids"] = (input_ids == config.image_token_index).long()
+    else:
+        out["mm_token_type_ids"] = (input_ids == config.image_token_id).int()
+    return out
+
+
+def freeze_vision_tower(model: nn.Module) -> None:
+    """Stop gradients to the vision encoder of a vision-language `model` (`model.freeze_vision_tower`); the
+    projector into the language model (Qwen's `merger`, Gemma 3's `multi_modal_projector`) and the language model
+    stay trained."""
+    inner = model.model
+    tower = getattr(inner, "visual", None) or inner.vision_tower
+    for name, param in tower.named_parameters():
+        if "merger" not in name.split(".")[0]:  # Qwen's merger, Qwen3-VL's deepstack mergers
+            param.requires_grad_(False)

@@ -15,6 +15,7 @@ from ketch.architecture import decoder_blocks, static_decoding_problem
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
 from ketch.models.router_replay import ExpertRouting
+from ketch.models.vision import image_model_inputs, placeholder_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.fp8 import FP8Projections
@@ -43,6 +44,7 @@ class HFRollout(Rollout):
         self.max_response_length = config.data.max_response_length
         self.tokenizer, self.pad_token_id = tokenizer, tokenizer.pad_token_id
         self.stop_token_ids = stop_token_ids(tokenizer, model_path, config.rollout.stop_token_ids)
+        self.never_sampled = placeholder_token_ids(self.model.config)
         static = config.rollout.hf_decoding == "static" or (
             config.rollout.hf_decoding == "auto" and device.type == "cuda"
         )
@@ -112,6 +114,7 @@ class HFRollout(Rollout):
 
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
         prompt_ids, forwards = prompts.batch["input_ids"], []
+        images = prompts.non_tensor_batch.get("multi_modal_inputs", ())
         hook = None
         if self.routing is not None:
             hook = self.model.register_forward_hook(lambda *_: forwards.append(self.routing.chosen()))
@@ -121,6 +124,7 @@ class HFRollout(Rollout):
                 attention_mask=prompts.batch["attention_mask"],
                 generation_config=self._generation_config(do_sample, temperature, max_new, stop),
                 tokenizer=self.tokenizer if stop else None,
+                **image_model_inputs(self.model.config, prompt_ids, images),
             )
         finally:
             if hook is not None:
@@ -160,6 +164,7 @@ class HFRollout(Rollout):
             **(sampling if do_sample else {}),
             eos_token_id=None if self.config.ignore_eos else self.stop_token_ids,
             pad_token_id=self.pad_token_id,
+            suppress_tokens=self.never_sampled or None,
             return_dict_in_generate=True,
             output_logits=True,
             use_cache=True,

@@ -33,6 +33,7 @@ from ketch.data.batching import pad_token_id
 from ketch.data.prompt_loader import PromptLoader
 from ketch.engine.lora import check_lora
 from ketch.models import check_value_head, load_model_config
+from ketch.models.vision import is_vision_model, load_image_processor
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.rollout.multi_turn.metrics import ToolFailureWatch
@@ -75,9 +76,10 @@ class PPOTrainer(TrainingLoop):
         self.reward.tokenizer = self.tokenizer
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.step_size = f"{self.plan.sequences_per_step} samples"
-        self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data)
+        processor = load_image_processor(model.path, self.tokenizer) if is_vision_model(model.config) else None
+        self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data, processor)
         val_files = resolve_data_files(c.data.val_files)
-        self.val_set = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
+        self.val_set = RLHFDataset(val_files, self.tokenizer, c.data, processor) if val_files else None
         round_size = c.algorithm.filter_groups.round_size(c.data.train_batch_size)
         self.loader = PromptLoader(self.train_set, round_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
@@ -345,7 +347,8 @@ class PPOTrainer(TrainingLoop):
         # the rollout log-probs serve truncated IS, and the mismatch metrics when the update's forward is π_old
         optional += ["rollout_log_probs"] if a.rollout_is is not None or "old_log_prob" not in batch.batch else []
         keys += [k for k in optional if k in batch.batch]
-        update = batch.select(batch_keys=keys, non_tensor_keys=[], meta_keys=[])
+        images = [k for k in ("multi_modal_inputs",) if k in batch.non_tensor_batch]  # a vision-language model's
+        update = batch.select(batch_keys=keys, non_tensor_keys=images, meta_keys=[])
         if self.config.algorithm.overlong_filtering:
             b = update.batch
             b["response_mask"] = filter_overlong(

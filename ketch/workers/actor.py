@@ -34,6 +34,7 @@ from ketch.engine.lora import ADAPTER_DIR, adapters_disabled, add_lora, peft_con
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype, stop_token_ids
+from ketch.models.vision import freeze_vision_tower, is_vision_model
 from ketch.protocol import DataProto
 from ketch.workers.common import (
     DeviceMemory,
@@ -129,6 +130,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         lm = load_causal_lm(self.model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
         if m.use_liger:
             fuse_kernels(lm, self.device)
+        if m.freeze_vision_tower and is_vision_model(lm.config):
+            freeze_vision_tower(lm)
         return lm
 
     @register(PROCESS_COMPUTE_PROTO)

@@ -77,6 +77,9 @@ class ModelConfig:
     input, layers x tokens x hidden numbers per micro-batch, so the GPU holds one block's activations at a time and
     no checkpoint (long responses); without it, every activation (slow). FSDP engine only; nothing is gained on
     CPUs."""
+    freeze_vision_tower: bool = True
+    """A vision-language model trains its language model and the projector from its vision encoder into it, not the
+    vision encoder itself (no gradients, no optimizer state). Text-only models ignore it."""
     use_remove_padding: bool | None = None
     """Padding-free training forwards (actor, reference, critic, reward model): the real tokens of a micro-batch
     run as one packed row with attention kept per sequence (variable-length flash attention on GPUs), so padding
