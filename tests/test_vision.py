@@ -14,12 +14,14 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from ketch.config import load_config
+from ketch.config import ConfigError, load_config
 from ketch.config.schema import DataConfig
 from ketch.data.builtin.tokenizer import build_char_tokenizer
 from ketch.data.dataset import RLHFDataset
 from ketch.data.errors import DatasetError
+from ketch.models import load_causal_lm
 from ketch.models.vision import VisionModelError, load_image_processor, placeholder_token_ids, vision_family
+from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 from tests.vision_models import FAMILIES, save_tiny_vlm
 
@@ -200,3 +202,30 @@ def test_the_placeholder_tokens_a_rollout_never_samples_are_the_familys_image_an
     qwen, gemma = (AutoConfig.from_pretrained(vlm_dirs[family]) for family in ("qwen2_vl", "gemma3"))
     assert placeholder_token_ids(qwen) == [qwen.image_token_id, qwen.video_token_id]
     assert placeholder_token_ids(gemma) == [gemma.image_token_index, gemma.boi_token_index]
+
+
+def test_a_setting_not_yet_taken_with_images_stops_at_start_up_naming_the_fix(tmp_path, vlm_dirs, image_task):
+    config = _grpo_config(
+        vlm_dirs["qwen2_vl"], image_task, tmp_path, "rollout.name=vllm", "algorithm.adv_estimator=gae"
+    )
+    with pytest.raises(ConfigError) as err:
+        PPOTrainer(config)
+    message = str(err.value)
+    assert "is a vision-language model (qwen2_vl), and ketch does not train one with images under other" in message
+    assert "set rollout.name=hf" in message and "set a critic-free algorithm.adv_estimator" in message
+
+
+def test_a_run_validates_with_the_images_and_exports_a_model_that_loads_with_its_processor(
+    tmp_path, vlm_dirs, image_task
+):
+    overrides = ("trainer.val_before_train=true", "trainer.test_freq=1", "trainer.total_steps=1")
+    trainer = PPOTrainer(
+        _grpo_config(vlm_dirs["qwen2_5_vl"], image_task, tmp_path, *overrides, "actor.use_kl_loss=true")
+    )
+    trainer.fit()
+    validated = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "val/ketch/arithmetic/acc" in r]
+    assert [r["step"] for r in validated] == [0, 1]
+    exported = trainer.run_dir / "model"
+    assert type(load_causal_lm(str(exported))).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    processor = load_image_processor(exported)
+    assert processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[_image(28, 28)])["input_ids"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ketch.architecture import attention_shape, router, tensor_parallel_problems
+from ketch.architecture import attention_shape, is_vision_model, router, tensor_parallel_problems
 from ketch.config.errors import raise_problems
 from ketch.config.schema import KetchConfig, MegatronConfig
 
@@ -100,6 +100,33 @@ def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
             "actor.router_replay=off"
         )
     return problems
+
+
+def check_vision_start(config: KetchConfig, model_config: Any) -> None:
+    """Raise `ConfigError` when the run asks a vision-language policy (`model_config`) for something ketch does not
+    do with images yet; the trainers call it at start-up, before any worker starts."""
+    raise_problems(vision_start_problems(config, model_config))
+
+
+def vision_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
+    """What `check_vision_start` raises, one line a problem (none for a text-only model)."""
+    if not is_vision_model(model_config):
+        return []
+    c, name = config, f"model.path={config.model.path} is a vision-language model ({model_config.model_type}), and"
+    unsupported = {
+        "rollout.name=hf": c.rollout.name != "hf",
+        "rollout.tensor_parallel_size=1": c.rollout.tensor_parallel_size > 1,
+        "rollout.multi_turn.enable=false": c.rollout.multi_turn.enable,
+        "actor.strategy=fsdp": c.actor.strategy != "fsdp",
+        "actor.ulysses_sequence_parallel_size=1": c.actor.ulysses_sequence_parallel_size > 1,
+        "actor.lora.rank=0": c.actor.lora.enabled,
+        "a critic-free algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, remax)": c.use_critic,
+    }
+    return [
+        f"{name} ketch does not train one with images under other settings yet: set {fix}"
+        for fix, asked in unsupported.items()
+        if asked
+    ]
 
 
 def fp8_rollout_problem(config: KetchConfig, gpu_visible: bool) -> str | None:

@@ -21,11 +21,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     GenerationConfig,
 )
 
+from ketch.architecture import is_vision_model
 from ketch.disk import free_space, size_text, write_error_cause
 from ketch.engine.engine import TrainEngine
 
@@ -47,6 +49,8 @@ def is_reward_model_config(hf_config) -> bool:
 
 
 def _auto_class(hf_config):
+    if is_vision_model(hf_config):
+        return AutoModelForImageTextToText
     if is_critic_config(hf_config):
         return AutoModelForTokenClassification
     return AutoModelForSequenceClassification if is_reward_model_config(hf_config) else AutoModelForCausalLM
@@ -94,7 +98,7 @@ def _write_files(out: Path, state, hf_config, tokenizer, stop_token_ids, engine_
     if stop_token_ids and not is_critic_config(hf_config):
         pad = tokenizer.pad_token_id if tokenizer is not None else None
         GenerationConfig(
-            eos_token_id=list(stop_token_ids), pad_token_id=pad, bos_token_id=hf_config.bos_token_id
+            eos_token_id=list(stop_token_ids), pad_token_id=pad, bos_token_id=hf_config.get_text_config().bos_token_id
         ).save_pretrained(out)
     if engine_config is not None:
         (out / "vllm_engine_config.json").write_text(json.dumps(engine_config, indent=2))

@@ -12,6 +12,7 @@ prompt are expanded by the family's own processor code (`<|image_pad|>` repeated
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,24 @@ def load_image_processor(model_path: str | Path, tokenizer: Any | None = None) -
         ) from None
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
     return processor_class(image_processor=image_processor, tokenizer=tokenizer, **_processor_settings(model_path))
+
+
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+"""The files of a model directory that describe its processor (beside the tokenizer's)."""
+
+
+def copy_processor_files(model_path: str | Path, out_dir: str | Path) -> None:
+    """Copy the processor's files of the vision-language model at `model_path` (those of `PROCESSOR_FILES` it has)
+    into `out_dir`, so that an exported model loads with its processor."""
+    for name in PROCESSOR_FILES:
+        if (Path(model_path) / name).is_file():
+            shutil.copyfile(Path(model_path) / name, Path(out_dir) / name)
 
 
 def _processor_settings(model_path: str | Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from ketch.config import KetchConfig
-from ketch.config.parallel import check_megatron_start, check_rollout_start, megatron_roles
+from ketch.config.parallel import check_megatron_start, check_rollout_start, check_vision_start, megatron_roles
 from ketch.engine.lora import check_lora
 from ketch.engine.megatron.weights import check_supported
 from ketch.models import check_causal_lm, check_tokenizer_fits, load_model_config, load_tokenizer
@@ -76,6 +76,7 @@ def check_start(
 def _check_policy(c: KetchConfig, model_config: Any) -> None:
     """A policy is a causal LM that the Megatron roles (when any) and a tensor-parallel rollout can split."""
     check_causal_lm(model_config, c.model.path)
+    check_vision_start(c, model_config)
     check_megatron_start(c, model_config, torch.cuda.is_available())
     check_rollout_start(c, model_config)
     if megatron_roles(c):

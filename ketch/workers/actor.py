@@ -34,7 +34,7 @@ from ketch.engine.lora import ADAPTER_DIR, adapters_disabled, add_lora, peft_con
 from ketch.engine.micro import split_micro_batches
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_causal_lm, load_model_config, load_tokenizer, resolve_dtype, stop_token_ids
-from ketch.models.vision import freeze_vision_tower, is_vision_model
+from ketch.models.vision import copy_processor_files, freeze_vision_tower, is_vision_model
 from ketch.protocol import DataProto
 from ketch.workers.common import (
     DeviceMemory,
@@ -444,6 +444,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         if self.rank == 0:
             stops = stop_token_ids(self.tokenizer, self.model_path, self.config.rollout.stop_token_ids)
             write_hf_directory(state, self.hf_config, out_dir, self.tokenizer, stops, engine_config)
+            if is_vision_model(self.hf_config):
+                copy_processor_files(self.model_path, out_dir)
             if lora.enabled:
                 write_adapter(adapter, peft_config(lora), Path(out_dir) / ADAPTER_DIR, self.model_path, None)
 
