@@ -242,10 +242,11 @@ def attention_implementation_problem(config: Any, requested: str) -> str | None:
 def packing_problem(model: nn.Module) -> str | None:
     """Why `model`'s training forwards cannot run packed (`engine/packing.py`), or None when they can: the sequence
     offsets must reach the packed attention through transformers' attention interface, and the model must need no
-    more than it computes (`_fast_path_problem`). A vision-language model trains padded (its images and multimodal
-    rotary positions are not packed yet)."""
-    if is_vision_model(model.config):
-        return "a vision-language model's image inputs and multimodal rotary positions are not packed yet"
+    more than it computes (`_fast_path_problem`). A vision-language model packs where its multimodal rotary
+    positions come from `get_rope_index` (the Qwen families'; `engine/vision_forward.py`), not where its image tokens
+    attend both ways (Gemma 3's)."""
+    if is_vision_model(model.config) and not hasattr(model.model, "get_rope_index"):
+        return "its image tokens attend to each other both ways, which the packed attention (causal) does not"
     return _fast_path_problem(model)
 
 

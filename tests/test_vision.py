@@ -16,11 +16,19 @@ from transformers import AutoConfig
 
 from ketch.config import ConfigError, load_config
 from ketch.config.schema import DataConfig
+from ketch.data.batching import position_ids
 from ketch.data.builtin.tokenizer import build_char_tokenizer
 from ketch.data.dataset import RLHFDataset
 from ketch.data.errors import DatasetError
+from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
-from ketch.models.vision import VisionModelError, load_image_processor, placeholder_token_ids, vision_family
+from ketch.models.vision import (
+    VisionModelError,
+    image_model_inputs,
+    load_image_processor,
+    placeholder_token_ids,
+    vision_family,
+)
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 from tests.vision_models import FAMILIES, save_tiny_vlm
@@ -180,11 +188,13 @@ PROJECTOR_AND_TOWER = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_grpo_steps_train_the_language_model_and_projector_with_the_images(tmp_path, vlm_dirs, image_task, family):
-    """The rollout reads the images at prefill and the training forward again (padded, `generate` on the CPU): in
-    float32 the rollout's log-probs are the training forward's."""
+    """The rollout reads the images at prefill and the training forward again (packed as on a GPU, Gemma 3 padded;
+    `generate`): in float32 the rollout's log-probs are the training forward's."""
     # a random model scores 0 everywhere (advantages 0): the entropy bonus gives every trained weight a gradient
-    trainer = PPOTrainer(_grpo_config(vlm_dirs[family], image_task, tmp_path, "actor.entropy_coeff=0.01"))
+    overrides = ("actor.entropy_coeff=0.01", "model.use_remove_padding=true")
+    trainer = PPOTrainer(_grpo_config(vlm_dirs[family], image_task, tmp_path, *overrides))
     trainer._open()
+    assert trainer.actor_rollout.worker.actor.module.packed == (family != "gemma3")
     before = _weights(trainer)
     metrics = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
     after = _weights(trainer)
@@ -229,3 +239,26 @@ def test_a_run_validates_with_the_images_and_exports_a_model_that_loads_with_its
     assert type(load_causal_lm(str(exported))).__name__ == "Qwen2_5_VLForConditionalGeneration"
     processor = load_image_processor(exported)
     assert processor(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[_image(28, 28)])["input_ids"]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_packed_log_probs_equal_the_padded_ones_in_float32(tmp_path, vlm_dirs, family):
+    processor = load_image_processor(vlm_dirs[family])
+    rows = [
+        {"prompt": "look <image> and <image>", "images": [{"bytes": _png()}, {"bytes": _png(28, 28)}]},
+        {"prompt": "a <image>", "images": [{"bytes": _png(56, 40)}]},
+        {"prompt": "none", "images": []},
+    ]
+    dataset = _dataset(tmp_path, rows, processor)
+    batch = dataset.collate([dataset[i] for i in range(len(dataset))])
+    prompts, prompt_mask = batch["input_ids"], batch["attention_mask"]
+    responses = torch.randint(10, 90, (3, 5))
+    response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    input_ids, mask = torch.cat([prompts, responses], 1), torch.cat([prompt_mask, response_mask], 1)
+    padded, packed = (PolicyModel(load_causal_lm(vlm_dirs[family]), packed=p).eval() for p in (False, True))
+    assert packed.packed and not padded.packed
+    images = image_model_inputs(padded.lm.config, input_ids, batch["multi_modal_inputs"])
+    args = (input_ids, mask, position_ids(mask), 5)
+    expected, got = (head(*args, image_inputs=images)["log_prob"] for head in (padded, packed))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (got[response_mask == 0] == 0).all()

@@ -25,6 +25,7 @@ from ketch.engine.fused_log_probs import token_log_probs
 from ketch.engine.load_balancing import load_balancing_loss
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 from ketch.engine.sequence_parallel import sharded_states
+from ketch.engine.vision_forward import vision_hidden
 from ketch.models.router_replay import ExpertRouting, differing
 
 
@@ -54,8 +55,8 @@ class PolicyModel(_Deterministic):
         for module, index in routers:  # hooks, traced into compiled blocks (transformers' own capture is not)
             module.register_forward_hook(partial(_record, self.router_logits, index))
         self.routing = ExpertRouting(lm).attach() if route_experts else None
-        if self.packed:
-            use_packed_attention(lm)
+        if self.packed:  # a vision-language model's language model only: its vision encoder is no causal LM
+            use_packed_attention(decoder(lm) if is_vision_model(lm.config) else lm)
 
     def forward(
         self,
@@ -81,9 +82,10 @@ class PolicyModel(_Deterministic):
         scores it) chose other experts in some layer than given; `return_experts` returns the forward's own choice
         as `routed_experts` `[batch, seq, moe_layers, top_k]` (zeros at padding).
 
-        A vision-language model runs padded, whole (vision encoder and language model), with `image_inputs` (the
-        batch's images, `ketch.models.vision.image_model_inputs`; None or empty: none) and the rotary positions it
-        computes itself from the tokens and the attention mask (Qwen's multimodal ones), as its `generate` does."""
+        A vision-language model runs whole (vision encoder and language model; `ketch.engine.vision_forward`) with
+        `image_inputs` (the batch's images, `ketch.models.vision.image_model_inputs`; None or empty: none) and the
+        rotary positions the model computes from the tokens and the attention mask (Qwen's multimodal ones), as its
+        `generate` does."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
         self.router_logits.clear()
         tokens = self._route(given_experts if replay else None, host, input_ids.device)
@@ -93,7 +95,7 @@ class PolicyModel(_Deterministic):
             states, labels, place = sharded_states(backbone, *args)
         else:
             if is_vision_model(self.lm.config):
-                hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, **(image_inputs or {}))[0]
+                hidden = vision_hidden(self.lm, input_ids, attention_mask, image_inputs or {}, self.packed, host)
             else:
                 hidden = backbone_hidden(backbone, input_ids, attention_mask, position_ids, self.packed, host)
             valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
