@@ -20,6 +20,7 @@ from ketch.data.batching import position_ids
 from ketch.data.builtin.tokenizer import build_char_tokenizer
 from ketch.data.dataset import RLHFDataset
 from ketch.data.errors import DatasetError
+from ketch.doctor.checks import _config_rows
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
 from ketch.models.vision import (
@@ -262,3 +263,9 @@ def test_packed_log_probs_equal_the_padded_ones_in_float32(tmp_path, vlm_dirs, f
     expected, got = (head(*args, image_inputs=images)["log_prob"] for head in (padded, packed))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert (got[response_mask == 0] == 0).all()
+
+
+def test_doctor_reads_the_images_and_checks_the_first_steps_log_probs(tmp_path, vlm_dirs, image_task):
+    rows = {row.name: row for row in _config_rows(_grpo_config(vlm_dirs["qwen2_vl"], image_task, tmp_path))}
+    assert "Qwen2VLForConditionalGeneration, 2 layers, hidden size 64" in rows["model"].detail
+    assert rows["data.train_files"].status == "ok" and rows["rollout vs training"].status == "ok"

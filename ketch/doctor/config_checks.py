@@ -67,7 +67,8 @@ def model_row(config: KetchConfig) -> tuple[Check, Any, Any]:
     if problem:
         return Check("model", "FAIL", f"{m.path}: {problem}", "ketch trains decoder-only causal LMs"), None, None
     architecture = ", ".join(getattr(model, "architectures", None) or [model.model_type])
-    layers, hidden = getattr(model, "num_hidden_layers", "?"), getattr(model, "hidden_size", "?")
+    text = model.get_text_config()  # a vision-language model's language model
+    layers, hidden = getattr(text, "num_hidden_layers", "?"), getattr(text, "hidden_size", "?")
     detail = f"{m.path}: {architecture}, {layers} layers, hidden size {hidden}, vocabulary {len(tokenizer)}"
     return Check("model", "ok", detail), tokenizer, model
 
@@ -141,8 +142,11 @@ def parallel_row(config: KetchConfig, model_config: Any) -> Check | None:
     return Check("parallelism", "ok", "; ".join(sizes) + ": they fit the model")
 
 
-def data_row(config: KetchConfig, key: str, tokenizer) -> tuple[Check, RLHFDataset | None]:
-    """`data.<key>`: the files read as the run reads them, every prompt fits, and each row can be scored."""
+def data_row(
+    config: KetchConfig, key: str, tokenizer, processor: Any | None = None
+) -> tuple[Check, RLHFDataset | None]:
+    """`data.<key>`: the files read as the run reads them (with a vision-language model's `processor`, the images
+    too), every prompt fits, and each row can be scored."""
     name, files = f"data.{key}", getattr(config.data, key)
     if not files:
         if key == "train_files":
@@ -155,7 +159,7 @@ def data_row(config: KetchConfig, key: str, tokenizer) -> tuple[Check, RLHFDatas
         f"data.prompt_key={config.data.prompt_key!r}"
     )
     try:
-        dataset = RLHFDataset(resolve_data_files(files), tokenizer, config.data)
+        dataset = RLHFDataset(resolve_data_files(files), tokenizer, config.data, processor)
     except (DatasetError, ValueError) as err:
         return Check(name, "FAIL", str(err), fix), None
     problem = _reward_problem(dataset, config)

@@ -108,6 +108,14 @@ def copy_processor_files(model_path: str | Path, out_dir: str | Path) -> None:
             shutil.copyfile(Path(model_path) / name, Path(out_dir) / name)
 
 
+def image_processor_for(model_config: Any, model_path: str | Path, tokenizer: Any) -> Any | None:
+    """`load_image_processor(model_path, tokenizer)` for a vision-language model (HF `model_config`; None: not
+    loaded), else None: what the prompt datasets take as their `processor`."""
+    if model_config is None or not is_vision_model(model_config):
+        return None
+    return load_image_processor(model_path, tokenizer)
+
+
 def _processor_settings(model_path: str | Path) -> dict[str, Any]:
     """The processor's own settings saved beside the model (`processor_config.json`, e.g. Gemma 3's
     `image_seq_length`), without the names of its parts."""

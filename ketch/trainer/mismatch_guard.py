@@ -144,14 +144,16 @@ def check_two_prompts(config: KetchConfig) -> tuple[Mismatch, str | None]:
     from ketch.config import derive_batch_plan
     from ketch.controller import LocalWorkerGroup
     from ketch.data import RLHFDataset, resolve_data_files
-    from ketch.models import load_tokenizer
+    from ketch.models import load_model_config, load_tokenizer
+    from ketch.models.vision import image_processor_for
     from ketch.trainer.builtin import resolve_model_path
     from ketch.trainer.validation import generation_inputs
     from ketch.workers import ActorRolloutRefWorker
 
     path = resolve_model_path(config)
     tokenizer = load_tokenizer(config.model.tokenizer_path or path, config.model.trust_remote_code, path)
-    dataset = RLHFDataset(resolve_data_files(config.data.train_files), tokenizer, config.data)
+    processor = image_processor_for(load_model_config(path, config.model.trust_remote_code), path, tokenizer)
+    dataset = RLHFDataset(resolve_data_files(config.data.train_files), tokenizer, config.data, processor)
     batch = DataProto.from_single_dict(dataset.collate([dataset[i] for i in range(2)]))
     group = LocalWorkerGroup(ActorRolloutRefWorker, config, path, derive_batch_plan(config), 1)
     try:

@@ -33,7 +33,7 @@ from ketch.data.batching import pad_token_id
 from ketch.data.prompt_loader import PromptLoader
 from ketch.engine.lora import check_lora
 from ketch.models import check_value_head, load_model_config
-from ketch.models.vision import is_vision_model, load_image_processor
+from ketch.models.vision import image_processor_for
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.rollout.multi_turn.metrics import ToolFailureWatch
@@ -76,7 +76,7 @@ class PPOTrainer(TrainingLoop):
         self.reward.tokenizer = self.tokenizer
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
         self.step_size = f"{self.plan.sequences_per_step} samples"
-        processor = load_image_processor(model.path, self.tokenizer) if is_vision_model(model.config) else None
+        processor = image_processor_for(model.config, model.path, self.tokenizer)
         self.train_set = RLHFDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data, processor)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = RLHFDataset(val_files, self.tokenizer, c.data, processor) if val_files else None
