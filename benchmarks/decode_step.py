@@ -9,7 +9,9 @@ SDPA backend and as compiled math, the projections separate against fused (q/k/v
 sampling from the `[rows, vocab]` logits as compiled torch against ketch's Triton kernel; `--sweep` times the
 Triton kernels' launch settings (attention blocks, warps and stages; the sampler's chunk size). Strong scaling
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
-`--model qwen3-0.6b` decodes the Qwen3-0.6B shape instead, and `--unfused` keeps the layers' own projections.
+`--model` decodes another shape (`MODELS`; `--layers N` keeps N of its layers), `--unfused` keeps the layers' own
+projections, `--fp8` runs them in FP8 (`rollout.quantization=fp8`), and `--moe-loops` keeps a mixture's experts as
+transformers computes them (no CUDA graphs: the decoding before `rollout/moe_decode.py`).
 `--long-tail N` also decodes responses whose lengths spread up to N tokens (`rl_step.py --workload variable`'s
 stop tokens), the whole batch to its longest row against the unfinished rows compacted into smaller shapes, and
 reports the paged KV cache's size, the pages its rows held at most and what a cache of the whole length would take.
@@ -35,11 +37,12 @@ from pathlib import Path
 import torch
 from rl_step import SCALES, qwen2_config, random_model, stop_every
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ketch.rollout import fused_projections
+from ketch.rollout import fused_projections, moe_decode
+from ketch.rollout.fp8 import FP8Projections
 from ketch.rollout.kv_pages import KVPages, as_pages
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import COMPACT_REMAINING, StaticDecoder
@@ -82,15 +85,7 @@ def generation(decoder: StaticDecoder, rows: int, steps: int, profile: str | Non
         decoder.generate(ids, mask, S["response_len"], Sampling(True), None, pad_token_id=0)
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    buffers = decoder.caches[(rows, S["prompt_len"] + S["response_len"])]
-    (graph,) = buffers.graphs.values()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(50):
-        buffers.slot.fill_(S["prompt_len"])  # replays write the token after this slot
-        graph.replay()
-    torch.cuda.synchronize()
-    replay = (time.perf_counter() - start) / 50
+    replay = captured_token(decoder.caches[(rows, S["prompt_len"] + S["response_len"])])
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             decoder.generate(ids, mask, S["response_len"], Sampling(True), None, pad_token_id=0)
@@ -103,9 +98,23 @@ def generation(decoder: StaticDecoder, rows: int, steps: int, profile: str | Non
         "rows": rows,
         "gen_s": round(gen, 4),
         "ms_per_token": round(gen / S["response_len"] * 1e3, 3),
-        "captured_token_ms": round(replay * 1e3, 3),
+        "captured_token_ms": replay and round(replay * 1e3, 3),
         "first_gen_s": round(seconds[0], 2),
     }
+
+
+def captured_token(buffers) -> float | None:
+    """Seconds of one replay of the captured decode step of `buffers` (None where the step was not captured)."""
+    if not buffers.graphs:
+        return None
+    (graph,) = buffers.graphs.values()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        buffers.slot.fill_(S["prompt_len"])  # replays write the token after this slot
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 50
 
 
 def attention_inputs(rows: int) -> tuple[torch.Tensor, ...]:
@@ -304,16 +313,30 @@ def long_step(decoder: StaticDecoder, rows: int, length: int, profile: str | Non
     return record
 
 
-def benchmark_model(name: str) -> torch.nn.Module:
-    """The fixed workload's Qwen2.5-0.5B shape, or the Qwen3-0.6B shape (28 layers, width 1,024, 16 query / 8
-    key-value heads of 128 with head norms, tied), random bf16 weights on the GPU."""
-    if name == "qwen2.5-0.5b":
-        config = qwen2_config(S, tie_word_embeddings=S["tied"], max_position_embeddings=4096)
-        return random_model(config, 5e8, "cuda").cuda().eval()
-    sizes = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16}
-    config = Qwen3Config(vocab_size=S["vocab"], **sizes, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+def benchmark_model(name: str, layers: int | None) -> torch.nn.Module:
+    """Random bf16 weights on the GPU in one of `MODELS`' shapes, with `layers` decoder layers if given."""
+    if name.startswith("qwen2.5-"):
+        s = S if name == "qwen2.5-0.5b" else SCALES[name.removeprefix("qwen2.5-")]
+        s = s | {"layers": layers or s["layers"]}
+        config = qwen2_config(s, tie_word_embeddings=s["tied"], max_position_embeddings=4096)
+        return random_model(config, 5e8 if name == "qwen2.5-0.5b" else 1e9, "cuda").cuda().eval()
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):
+        if name == "qwen3-0.6b":
+            sizes = {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": layers or 28}
+            sizes |= {"num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True}
+            config = Qwen3Config(vocab_size=S["vocab"], head_dim=128, **sizes)
+            return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        sizes = {"hidden_size": 2048, "num_hidden_layers": layers or 48, "num_attention_heads": 32}
+        sizes |= {"num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+        config = Qwen3MoeConfig(vocab_size=S["vocab"], head_dim=128, **sizes)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b")
+"""The fixed workload's Qwen2.5-0.5B shape, Qwen2.5-1.5B's and 7B's (`rl_step.SCALES`), Qwen3-0.6B's (28 layers,
+width 1,024, 16 query / 8 key-value heads of 128 with head norms, tied) and Qwen3-30B-A3B's (48 layers, width 2,048,
+32 query / 4 key-value heads, 128 experts of width 768, 8 per token)."""
 
 
 def long_tail(decoder: StaticDecoder, rows: int, length: int) -> dict:
@@ -357,7 +380,12 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true", help="time one layer's attention and projections alone")
     parser.add_argument("--sweep", action="store_true", help="time the Triton kernels' launch settings")
     parser.add_argument("--profile", help="write one generation's kernel table per row count into this folder")
-    parser.add_argument("--model", choices=["qwen2.5-0.5b", "qwen3-0.6b"], default="qwen2.5-0.5b")
+    parser.add_argument("--model", choices=MODELS, default="qwen2.5-0.5b")
+    parser.add_argument("--layers", type=int, help="this many decoder layers instead of the shape's own")
+    parser.add_argument("--fp8", action="store_true", help="the projections in FP8 (rollout.quantization=fp8)")
+    parser.add_argument(
+        "--moe-loops", action="store_true", help="transformers' own experts (not fixed-shape), so no CUDA graphs"
+    )
     parser.add_argument(
         "--unfused", action="store_true", help="keep the layers' own q/k/v and gate/up projections (before fusing)"
     )
@@ -372,8 +400,14 @@ def main() -> None:
     if args.unfused:
         fused_projections.ATTENTIONS.clear()
         fused_projections.MLPS.clear()
-    decoder = StaticDecoder(benchmark_model(args.model), compile_step=True, longest_prompt=S["prompt_len"])
-    results = {"scale": args.model, "unfused": args.unfused, "device": torch.cuda.get_device_name(), "by_rows": []}
+    if args.moe_loops:
+        moe_decode.EXPERTS.clear()
+    model = benchmark_model(args.model, args.layers)
+    decoder = StaticDecoder(model, compile_step=True, longest_prompt=S["prompt_len"])
+    if args.fp8:
+        FP8Projections(decoder.blocks)
+    results = {"scale": args.model, "layers": model.config.num_hidden_layers, "unfused": args.unfused}
+    results |= {"fp8": args.fp8, "moe_loops": args.moe_loops, "device": torch.cuda.get_device_name(), "by_rows": []}
     if args.floor:
         bandwidth = copy_bandwidth()
         results |= {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor": []}

@@ -1,0 +1,28 @@
+#!/bin/bash
+# One device command for FP8 rollout (issue 53) and MoE decoding under CUDA graphs (issue 52): the GPU tests of both
+# (FP8 matmuls; the MoE families' matrix rows), then `decode_step.py` of the Qwen2.5-7B shape in bf16 against FP8
+# (whole generations of 4 and 64 rows, one captured step of 4 rows at 8k of context), then Qwen3-30B-A3B's shape
+# (LAYERS of its 48 layers) with fixed-shape experts in CUDA graphs against transformers' experts without graphs.
+# Each stage has its own time limit and writes its JSON to $OUT as it ends; STAGES picks some of them:
+#   PYTHONPATH=. STAGES="tests fp8 moe" LAYERS=24 bash benchmarks/device/fp8_moe.sh
+set -u
+mkdir -p "$OUT/logs"
+STAGES=${STAGES:-tests fp8 moe}
+LAYERS=${LAYERS:-24}
+stage() { local name=$1; shift; echo "=== $name $(date -u +%T)"; timeout "$@" >"$OUT/logs/$name.log" 2>&1; echo "rc=$? $(date -u +%T)"; tail -n 3 "$OUT/logs/$name.log"; }
+if [[ $STAGES == *tests* ]]; then
+    stage gpu_tests 240 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_architectures_gpu.py -q \
+        -p no:cacheprovider -k "fp8 or qwen3_moe or mixtral or deepseek_v3 or olmoe"
+fi
+if [[ $STAGES == *fp8* ]]; then
+    for flag in "" --fp8; do
+        stage "7b$flag" 240 python3 benchmarks/decode_step.py --model qwen2.5-7b --rows 4 64 --steps 2 \
+            --long-step 8192 $flag --out "$OUT/decode_7b${flag/--/_}.json"
+    done
+fi
+if [[ $STAGES == *moe* ]]; then
+    for flag in "" --moe-loops; do
+        stage "moe$flag" 240 python3 benchmarks/decode_step.py --model qwen3-30b-a3b --layers "$LAYERS" --rows 4 64 \
+            --steps 2 $flag --out "$OUT/decode_30b_a3b${flag/--/_}.json"
+    done
+fi
