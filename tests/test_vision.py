@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from transformers import AutoConfig
 
-from ketch.config import ConfigError, load_config
+from ketch.config import ConfigError
 from ketch.config.schema import DataConfig
 from ketch.data.batching import position_ids
 from ketch.data.builtin.tokenizer import build_char_tokenizer
@@ -154,27 +154,11 @@ def image_task(tmp_path_factory) -> dict[str, str]:
     return files
 
 
-def _grpo_config(model_dir: str, files: dict[str, str], tmp_path, *overrides: str):
-    return load_config(
-        overrides=[
-            f"model.path={model_dir}",
-            f"data.train_files=[{files['train']}]",
-            f"data.val_files=[{files['val']}]",
-            "data.train_batch_size=4",
-            "data.max_prompt_length=48",
-            "data.max_response_length=6",
-            "algorithm.adv_estimator=grpo",
-            "rollout.n=2",
-            "actor.ppo_mini_batch_size=null",
-            "trainer.total_steps=2",
-            "trainer.test_freq=0",
-            "trainer.val_before_train=false",
-            "trainer.logger=[jsonl]",
-            "trainer.device=cpu",
-            f"trainer.default_local_dir={tmp_path / 'runs'}",
-            *overrides,
-        ]
-    )
+def _grpo_config(tiny_config, model_dir: str, files: dict[str, str], *overrides: str):
+    """`tiny_config` (tests/conftest.py) on the vision-language model at `model_dir` and the image task `files`."""
+    data = [f"data.train_files=[{files['train']}]", f"data.val_files=[{files['val']}]", "data.train_batch_size=4"]
+    data += ["data.max_prompt_length=48", "data.max_response_length=6"]
+    return tiny_config(f"model.path={model_dir}", *data, "algorithm.adv_estimator=grpo", "rollout.n=2", *overrides)
 
 
 def _weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
@@ -188,12 +172,14 @@ PROJECTOR_AND_TOWER = {
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_grpo_steps_train_the_language_model_and_projector_with_the_images(tmp_path, vlm_dirs, image_task, family):
+def test_two_grpo_steps_train_the_language_model_and_projector_with_the_images(
+    tiny_config, vlm_dirs, image_task, family
+):
     """The rollout reads the images at prefill and the training forward again (packed as on a GPU, Gemma 3 padded;
     `generate`): in float32 the rollout's log-probs are the training forward's."""
     # a random model scores 0 everywhere (advantages 0): the entropy bonus gives every trained weight a gradient
     overrides = ("actor.entropy_coeff=0.01", "model.use_remove_padding=true")
-    trainer = PPOTrainer(_grpo_config(vlm_dirs[family], image_task, tmp_path, *overrides))
+    trainer = PPOTrainer(_grpo_config(tiny_config, vlm_dirs[family], image_task, *overrides))
     trainer._open()
     assert trainer.actor_rollout.worker.actor.module.packed == (family != "gemma3")
     before = _weights(trainer)
@@ -215,9 +201,9 @@ def test_the_placeholder_tokens_a_rollout_never_samples_are_the_familys_image_an
     assert placeholder_token_ids(gemma) == [gemma.image_token_index, gemma.boi_token_index]
 
 
-def test_a_setting_not_yet_taken_with_images_stops_at_start_up_naming_the_fix(tmp_path, vlm_dirs, image_task):
+def test_a_setting_not_yet_taken_with_images_stops_at_start_up_naming_the_fix(tiny_config, vlm_dirs, image_task):
     config = _grpo_config(
-        vlm_dirs["qwen2_vl"], image_task, tmp_path, "rollout.name=vllm", "algorithm.adv_estimator=gae"
+        tiny_config, vlm_dirs["qwen2_vl"], image_task, "rollout.name=vllm", "algorithm.adv_estimator=gae"
     )
     with pytest.raises(ConfigError) as err:
         PPOTrainer(config)
@@ -227,11 +213,11 @@ def test_a_setting_not_yet_taken_with_images_stops_at_start_up_naming_the_fix(tm
 
 
 def test_a_run_validates_with_the_images_and_exports_a_model_that_loads_with_its_processor(
-    tmp_path, vlm_dirs, image_task
+    tiny_config, vlm_dirs, image_task
 ):
     overrides = ("trainer.val_before_train=true", "trainer.test_freq=1", "trainer.total_steps=1")
     trainer = PPOTrainer(
-        _grpo_config(vlm_dirs["qwen2_5_vl"], image_task, tmp_path, *overrides, "actor.use_kl_loss=true")
+        _grpo_config(tiny_config, vlm_dirs["qwen2_5_vl"], image_task, *overrides, "actor.use_kl_loss=true")
     )
     trainer.fit()
     validated = [r for r in read_metrics(trainer.run_dir / "metrics.jsonl") if "val/ketch/arithmetic/acc" in r]
@@ -265,7 +251,7 @@ def test_packed_log_probs_equal_the_padded_ones_in_float32(tmp_path, vlm_dirs, f
     assert (got[response_mask == 0] == 0).all()
 
 
-def test_doctor_reads_the_images_and_checks_the_first_steps_log_probs(tmp_path, vlm_dirs, image_task):
-    rows = {row.name: row for row in _config_rows(_grpo_config(vlm_dirs["qwen2_vl"], image_task, tmp_path))}
+def test_doctor_reads_the_images_and_checks_the_first_steps_log_probs(tiny_config, vlm_dirs, image_task):
+    rows = {row.name: row for row in _config_rows(_grpo_config(tiny_config, vlm_dirs["qwen2_vl"], image_task))}
     assert "Qwen2VLForConditionalGeneration, 2 layers, hidden size 64" in rows["model"].detail
     assert rows["data.train_files"].status == "ok" and rows["rollout vs training"].status == "ok"
