@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import sys
 
@@ -24,6 +25,7 @@ from ketch.doctor.checks import _config_rows
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
 from ketch.models.vision import (
+    VISION_MODULES,
     VisionModelError,
     image_model_inputs,
     load_image_processor,
@@ -193,6 +195,30 @@ def test_two_grpo_steps_train_the_language_model_and_projector_with_the_images(
     assert not any(n.startswith(tower) for n in changed)  # model.freeze_vision_tower
     assert metrics[0]["training/rollout_probs_diff_max"] < 1e-5
     assert math.isfinite(metrics[1]["actor/pg_loss"])  # the second step ran its update
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_lora_adapts_the_language_model_only_and_exports_an_adapter_that_leaves_the_vision_out(
+    tiny_config, vlm_dirs, image_task, family
+):
+    """`actor.lora` on a vision-language model: adapters on the language model's linear layers only (the vision
+    encoder and projector frozen whole), the rollout decoding the merged weights, and `model/adapter` saying so."""
+    overrides = ("actor.entropy_coeff=0.01", "actor.lora.rank=4", "actor.optim.lr=0.01", "trainer.total_steps=2")
+    trainer = PPOTrainer(_grpo_config(tiny_config, vlm_dirs[family], image_task, *overrides))
+    trainer._open()
+    before = _weights(trainer)
+    metrics = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
+    after = _weights(trainer)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}  # the merged weights
+    module = trainer.actor_rollout.worker.actor.module
+    trained = {n for n, p in module.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith("lm.model.language_model.") and ".lora_" in n for n in trained)
+    assert changed and all(n.startswith("lm.model.language_model.") for n in changed)
+    assert metrics[1]["training/rollout_probs_diff_max"] < 1e-5  # the rollout got the merged weights of step 1
+    trainer.actor_rollout.save_pretrained(str(trainer.run_dir / "model"))
+    trainer.groups.shutdown()
+    saved = json.loads((trainer.run_dir / "model" / "adapter" / "adapter_config.json").read_text())
+    assert saved["exclude_modules"] == VISION_MODULES
 
 
 def test_the_placeholder_tokens_a_rollout_never_samples_are_the_familys_image_and_video_tokens(vlm_dirs):

@@ -119,7 +119,6 @@ def vision_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
         "rollout.multi_turn.enable=false": c.rollout.multi_turn.enable,
         "actor.strategy=fsdp": c.actor.strategy != "fsdp",
         "actor.ulysses_sequence_parallel_size=1": c.actor.ulysses_sequence_parallel_size > 1,
-        "actor.lora.rank=0": c.actor.lora.enabled,
         "a critic-free algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, remax)": c.use_critic,
     }
     return [

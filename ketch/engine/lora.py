@@ -3,8 +3,9 @@
 PEFT wraps each chosen linear layer in place: its weight moves to `<layer>.base_layer.weight` (frozen) beside
 `<layer>.lora_A.default.weight` `[rank, in]` and `<layer>.lora_B.default.weight` `[out, rank]` (B starts at zero,
 so a fresh adapter changes nothing); the layer computes W x + scaling * B A x. Every other parameter is frozen but
-a value or score head, which trains whole. The engine shards the frozen base with FSDP2 like any
-weight; only the adapters (and the head) take gradients, AdamW's moments and checkpoint space.
+a value or score head, which trains whole; a vision-language model's adapters go on its language model only. The
+engine shards the frozen base with FSDP2 like any weight; only the adapters (and the head) take gradients,
+AdamW's moments and checkpoint space.
 
 Out of the engine, weights go merged (`merged`): W + scaling * B A under the plain model's names, so the rollout,
 vLLM, the weight bridge and the exported `model/` see an ordinary model. `model/adapter/` is the adapter in PEFT's
@@ -25,11 +26,13 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.pytorch_utils import Conv1D
 
+from ketch.architecture import is_vision_model
 from ketch.config.errors import ConfigError
 from ketch.config.schema import LoraConfig
+from ketch.models.vision import VISION_MODULES
 
 ADAPTER = "default"
 """PEFT's name of the one adapter ketch trains (it appears in parameter names, not in saved files)."""
@@ -42,9 +45,10 @@ SAVED_PREFIX = "base_model.model."
 _PART = re.compile(rf"^(.*)\.(base_layer\.(?:weight|bias)|lora_[AB]\.{ADAPTER}\.weight)$")
 
 
-def peft_config(settings: LoraConfig, head: str | None = None) -> peft.LoraConfig:
+def peft_config(settings: LoraConfig, head: str | None = None, vision: bool = False) -> peft.LoraConfig:
     """PEFT's settings for `settings` (from the adapter directory when it starts from one); `head`, a value or
-    score head, never gets an adapter."""
+    score head, never gets an adapter, nor (`vision`: a vision-language model) the vision encoder and its projector
+    into the language model."""
     if settings.adapter_path is not None:
         config = _saved(settings.adapter_path)
         config.lora_dropout = settings.dropout
@@ -56,7 +60,7 @@ def peft_config(settings: LoraConfig, head: str | None = None) -> peft.LoraConfi
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=_targets(settings.target_modules),
-        exclude_modules=[head] if head else None,
+        exclude_modules=[head] if head else (VISION_MODULES if vision else None),
     )
 
 
@@ -81,7 +85,8 @@ def add_lora(model: nn.Module, settings: LoraConfig, head: str | None = None, se
     Returns `model`. Every rank draws the same adapters, so that they do not depend on the number of ranks."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        peft.inject_adapter_in_model(peft_config(settings, head), model, adapter_name=ADAPTER)
+        config = peft_config(settings, head, is_vision_model(model.config))
+        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     if settings.adapter_path is not None:
         _load_adapter(model, Path(settings.adapter_path))
     for param in model.parameters():
@@ -248,14 +253,18 @@ def _checked_adapter_config(key: str, directory: Path) -> peft.LoraConfig:
 
 def linear_layers(hf_config, trust_remote_code: bool = False) -> list[str]:
     """The names of the linear layers of the causal LM of `hf_config` that can take an adapter (every one but the
-    output layer), from a skeleton on the meta device."""
+    output layer, and a vision-language model's vision encoder and projector), from a skeleton on the meta device."""
+    vision = is_vision_model(hf_config)
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        model = auto.from_config(hf_config, trust_remote_code=trust_remote_code)
     output = model.get_output_embeddings()
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear | Conv1D) and module is not output
+        if isinstance(module, nn.Linear | Conv1D)
+        and module is not output
+        and not (vision and re.fullmatch(VISION_MODULES, name))
     ]
 
 

@@ -34,6 +34,12 @@ VISION_FAMILIES = {
 one image in a prompt (the processor expands it into the image's vision tokens)."""
 
 
+VISION_MODULES = r"(.*\.)?(visual|vision_tower|multi_modal_projector)(\..*)?"
+"""The module paths of the families' vision encoders and their projectors into the language model (Qwen's `visual`
+with its mergers, Gemma 3's `vision_tower` and `multi_modal_projector`), as a regular expression (PEFT's
+`exclude_modules`): LoRA adapts the language model only."""
+
+
 class VisionModelError(ValueError):
     """A vision-language model or processor that ketch cannot use: the message names the path and the fix."""
 

@@ -447,7 +447,10 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             if is_vision_model(self.hf_config):
                 copy_processor_files(self.model_path, out_dir)
             if lora.enabled:
-                write_adapter(adapter, peft_config(lora), Path(out_dir) / ADAPTER_DIR, self.model_path, None)
+                vision = is_vision_model(self.hf_config)
+                write_adapter(
+                    adapter, peft_config(lora, vision=vision), Path(out_dir) / ADAPTER_DIR, self.model_path, None
+                )
 
     # ----------------------------------------------------------------- checkpoints
     @register(ONE_TO_ALL)
@@ -457,7 +460,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         save_engine(self.actor, Path(directory), {"update_count": self.update_count}, self.hf_config, self.tokenizer)
         lora = self.config.actor.lora
         if lora.enabled and self.rank == 0:
-            write_adapter_config(peft_config(lora), Path(directory) / HF_DIR, self.model_path, None)
+            config = peft_config(lora, vision=is_vision_model(self.hf_config))
+            write_adapter_config(config, Path(directory) / HF_DIR, self.model_path, None)
 
     @register(ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
