@@ -1,0 +1,163 @@
+"""Batch-invariant forwards (`rollout.exact_log_probs`): a token's results do not depend on how many rows or keys
+are computed with it, so the rollout's one-token decode steps and the training forward over whole sequences give the
+same log-probs, bit for bit.
+
+A kernel's reduction order depends on the shapes it is given: on the CPU a matmul of 1 to 3 rows takes another code
+path than one of 8, a sum over one row of a 152k vocabulary is split over threads where one over many rows is not,
+and SiLU's vectorised loop leaves the last elements of a tensor to a scalar formula. Each reduction here therefore
+runs in an op of one fixed shape on both sides: projections multiply blocks of `ROWS` rows (`linear`); attention
+walks the keys in blocks of `KEYS` from the first, each block's scores and weighted values in `[ROWS, KEYS]` matmuls,
+merged by an online softmax in the same order for a decode step over its cache and a forward over the sequence
+(`attention`); SiLU is `x / (1 + exp(-x))`, whose ops round each element alike wherever it sits. What is left is
+invariant as it stands (measured, `tests/test_exact_log_probs.py`): the norms' mean over one row of the hidden size,
+the log-softmax over the vocabulary (one row per thread), the rotary cos/sin of a position, and elementwise
+arithmetic."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ATTENTION = "ketch_batch_invariant"
+"""The attention implementation name batch-invariant models are switched to."""
+ROWS = 16
+"""Rows per block of every matmul: the fewest at which the CPU's matmul takes its general path."""
+KEYS = 64
+"""Keys per block of attention."""
+FAMILIES = ("llama", "qwen2", "qwen3")
+"""The `model_type`s whose every reduction is covered: dense decoders of linear projections, RMSNorm, SiLU MLPs,
+rotary positions and plain scaled dot-product attention."""
+
+
+def exact_problem(model_config) -> str | None:
+    """Why the model of `model_config` (a HF config) cannot compute batch-invariantly, or None."""
+    if model_config.model_type not in FAMILIES:
+        return f"model_type={model_config.model_type!r} is not one of {', '.join(FAMILIES)}, whose ops it covers"
+    if model_config.hidden_act != "silu":
+        return f"hidden_act={model_config.hidden_act!r}: only SiLU MLPs are covered"
+    return None
+
+
+def _blocks(rows: torch.Tensor) -> torch.Tensor:
+    """`[n, width]` zero-padded to a multiple of `ROWS` rows, as `[blocks, ROWS, width]`."""
+    return F.pad(rows, (0, 0, 0, -rows.shape[0] % ROWS)).view(-1, ROWS, rows.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias`, `[..., in]` -> `[..., out]`, each row computed in a `[ROWS, in] @ [in, out]` matmul."""
+    rows = x.reshape(-1, x.shape[-1])
+    blocks = _blocks(rows)
+    out = torch.bmm(blocks, weight.T.expand(blocks.shape[0], *weight.T.shape)).flatten(0, 1)[: rows.shape[0]]
+    out = out if bias is None else out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU, `x / (1 + exp(-x))`, the same for an element wherever it sits in `x`."""
+    return x / (1 + torch.exp(-x))
+
+
+def attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: `query` `[batch, heads, q_len, head_dim]`, `key`/`value` `[batch, kv_heads,
+    kv_len, head_dim]`, `attention_mask` `[batch, 1, q_len, kv_len]` (True: attend) -> `[batch, q_len, heads,
+    head_dim]`. Each query walks the keys in blocks of `KEYS` from key 0, with an online softmax: a block wholly
+    masked leaves the running sums as they were, so a decode step over its cache and a forward over the whole
+    sequence (whose later keys are masked) compute each query alike. A query with no key to attend gives zeros."""
+    if dropout or kwargs.get("softcap") is not None or attention_mask is None:
+        raise ValueError(f"{ATTENTION} attention on {type(module).__name__}: dropout, soft-capping or no mask")
+    batch, heads, q_len, head_dim = query.shape
+    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    pad_q, pad_k = -q_len % ROWS, -key.shape[2] % KEYS
+    q = F.pad(query, (0, 0, 0, pad_q)).reshape(batch * heads, -1, ROWS, head_dim)
+    key, value = (F.pad(t, (0, 0, 0, pad_k)).flatten(0, 1) for t in (key, value))
+    mask = F.pad(attention_mask[:, 0], (0, pad_k, 0, pad_q)).view(batch, q.shape[1], ROWS, -1)
+    scale = head_dim**-0.5 if scaling is None else scaling
+    out = _walk_keys(q, key, value, mask.repeat_interleave(heads, dim=0), scale)
+    out = out.view(batch, heads, -1, head_dim)[:, :, :q_len]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _walk_keys(q, key, value, mask, scale: float) -> torch.Tensor:
+    """The online softmax over key blocks: `q` `[bh, q_blocks, ROWS, d]` (bh: batch x heads), `key`/`value` `[bh,
+    keys, d]` (keys a multiple of `KEYS`), `mask` `[bh, q_blocks, ROWS, keys]` -> `[bh, q_blocks, ROWS, d]`."""
+    bh, q_blocks = q.shape[:2]
+    flat_q = q.flatten(0, 1)
+    peak = q.new_full((bh, q_blocks, ROWS), float("-inf"))
+    total, acc = q.new_zeros(bh, q_blocks, ROWS), torch.zeros_like(q)
+    for start in range(0, key.shape[1], KEYS):
+        k, v = (t[:, start : start + KEYS] for t in (key, value))
+        scores = torch.bmm(flat_q, k.transpose(1, 2).repeat_interleave(q_blocks, dim=0)).view(bh, q_blocks, ROWS, KEYS)
+        scores = (scores * scale).masked_fill(~mask[..., start : start + KEYS], float("-inf"))
+        new_peak = torch.maximum(peak, scores.amax(-1))
+        shift = torch.where(new_peak == float("-inf"), 0.0, new_peak)
+        weights = torch.exp(scores - shift[..., None])
+        rescale = torch.exp(peak - shift)
+        total = total * rescale + weights.sum(-1)
+        weighted = torch.bmm(weights.flatten(0, 1), v.repeat_interleave(q_blocks, dim=0)).view_as(acc)
+        acc = acc * rescale[..., None] + weighted
+        peak = new_peak
+    return acc / torch.where(total > 0, total, 1.0)[..., None]
+
+
+def token_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, calc_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of `labels` `[...]` under `logits` `[..., vocab]` / `temperature`, in float32, each row's
+    log-softmax on its own (the rollout's and the training forward's the same op); entropy `[...]` too with
+    `calc_entropy`, else None."""
+    log_softmax = (logits.float() / temperature).log_softmax(-1)
+    log_prob = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if not calc_entropy:
+        return log_prob, None
+    return log_prob, -(log_softmax.exp() * log_softmax).sum(-1)
+
+
+class BatchInvariantLinear(nn.Linear):
+    """`nn.Linear` through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class BatchInvariantSiLU(nn.Module):
+    """SiLU through `silu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu(x)
+
+
+def make_batch_invariant(model: nn.Module) -> nn.Module:
+    """Switch a HF causal LM of `FAMILIES` to batch-invariant ops in place: its linear layers (the output
+    projection among them) to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, its attention
+    to `attention` under a boolean mask. Raises ValueError for a model `exact_problem` refuses."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    if problem := exact_problem(model.config):
+        raise ValueError(f"rollout.exact_log_probs=true: {problem}")
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                child.__class__ = BatchInvariantLinear
+            elif type(child).__name__ in ("SiLU", "SiLUActivation"):
+                setattr(parent, name, BatchInvariantSiLU())
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, _boolean_mask)
+    model.set_attn_implementation(ATTENTION)
+    return model
+
+
+def _boolean_mask(*args, **kwargs) -> torch.Tensor:
+    """transformers' SDPA mask, `[batch, 1, q_len, kv_len]` booleans, always built (never skipped as causal)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **(kwargs | {"allow_is_causal_skip": False}))
