@@ -6,7 +6,8 @@ the registered attention function, and its masks come from `masking_utils`): the
 `ModuleList` of the decoder, each block's attention is its child module whose class ends in `Attention`, and the
 head counts and head size come from the config. `FAMILIES` adds what differs by family and is known only for
 the families it lists (keyed by `config.model_type`): which ones split for the hf rollout's tensor parallelism,
-which ones the Megatron weight adapter maps and whose experts decode with fixed shapes. A family with none of these
+which ones the Megatron weight adapter maps, whose experts decode with fixed shapes and which ones compute
+batch-invariantly. A family with none of these
 needs no entry; the families the architecture matrix test runs are listed in `tests/families.py`.
 """
 
@@ -31,12 +32,15 @@ class Family:
     fixed_shape_experts: bool = False
     """A mixture of experts whose experts the static decoder computes with fixed shapes (`rollout/moe_decode.py`),
     so that its decode step can be captured into a CUDA graph."""
+    batch_invariant: bool = False
+    """`models/batch_invariant.py` covers every reduction of its forward (linear projections, RMSNorm, a SiLU MLP,
+    rotary positions, plain attention), so `rollout.exact_log_probs` holds for it."""
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family(tensor_parallel=True, megatron=True),
-    "qwen2": Family(tensor_parallel=True, megatron=True),
-    "qwen3": Family(tensor_parallel=True, megatron=True),
+    "llama": Family(tensor_parallel=True, megatron=True, batch_invariant=True),
+    "qwen2": Family(tensor_parallel=True, megatron=True, batch_invariant=True),
+    "qwen3": Family(tensor_parallel=True, megatron=True, batch_invariant=True),
     "mistral": Family(tensor_parallel=True),
     "gemma": Family(tensor_parallel=True),
     "gemma3_text": Family(tensor_parallel=True),
@@ -369,6 +373,17 @@ def cuda_graph_problem(config: Any) -> str | None:
         return None
     known = ", ".join(name for name, f in FAMILIES.items() if f.fixed_shape_experts)
     return f"its experts dispatch tokens with host synchronisation (fixed-shape experts: {known})"
+
+
+def batch_invariant_problem(config: Any) -> str | None:
+    """Why the model of HF `config` cannot compute batch-invariantly (`rollout.exact_log_probs`), or None: a family
+    whose ops `models/batch_invariant.py` does not all cover (`Family.batch_invariant`), or an MLP other than SiLU."""
+    known = ", ".join(name for name, f in FAMILIES.items() if f.batch_invariant)
+    if is_vision_model(config) or not family(config).batch_invariant:
+        return f"model_type={config.model_type!r} is not a family whose every op it covers ({known})"
+    if config.hidden_act != "silu":
+        return f"its MLP's activation is {config.hidden_act!r}; it covers SiLU"
+    return None
 
 
 def tensor_parallel_problems(size: int, config: Any) -> list[str]:

@@ -48,7 +48,7 @@ class BatchPlan:
 
 def recompute_old_log_prob(config: KetchConfig, plan: BatchPlan) -> bool:
     """Whether `old_log_prob` needs its own forward pass (see `actor.recompute_old_log_prob`), when it does not
-    come from the rollout (`actor.old_log_prob_from_rollout`, which the trainer checks first)."""
+    come from the rollout (`KetchConfig.old_log_prob_from_rollout`, which the trainer checks first)."""
     if config.actor.recompute_old_log_prob is not None:
         return config.actor.recompute_old_log_prob
     needed_by = config.algorithm.use_kl_in_reward or config.actor.rollout_is is not None

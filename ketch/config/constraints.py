@@ -10,6 +10,7 @@ from typing import Any
 
 from ketch.config.batch import BatchError, derive_batch_plan
 from ketch.config.errors import raise_problems
+from ketch.config.exact import exact_log_probs_problem, old_log_prob_key
 from ketch.config.parallel import megatron_problems, rollout_problems
 from ketch.config.partial import partial_rollout_problem
 from ketch.config.schema import (
@@ -383,9 +384,9 @@ def _rollout_is(c: KetchConfig) -> str | None:
     a = c.actor
     if a.rollout_is is not None and a.recompute_old_log_prob is False:
         return "actor.rollout_is needs the training engine's old log-probs: set actor.recompute_old_log_prob=null"
-    if a.old_log_prob_from_rollout and (a.rollout_is is not None or a.recompute_old_log_prob):
+    if c.old_log_prob_from_rollout and (a.rollout_is is not None or a.recompute_old_log_prob):
         given = "actor.rollout_is" if a.rollout_is is not None else "actor.recompute_old_log_prob=true"
-        return f"actor.old_log_prob_from_rollout=true skips the training engine's old log-probs, which {given} needs"
+        return f"{old_log_prob_key(c)} skips the training engine's old log-probs, which {given} needs"
     return None
 
 
@@ -443,8 +444,8 @@ def _router_replay(c: KetchConfig) -> str | None:
             f"{key} replays the experts the hf rollout records on single-turn rollouts, trained on the FSDP engine "
             f"without sequence parallelism; not with {given[0]}: set actor.router_replay=off or drop it"
         )
-    if a.router_replay == "old" and a.old_log_prob_from_rollout:
-        return f"{key} replays the old-log-prob pass's experts, which actor.old_log_prob_from_rollout=true skips"
+    if a.router_replay == "old" and c.old_log_prob_from_rollout:
+        return f"{key} replays the old-log-prob pass's experts, which {old_log_prob_key(c)} skips"
     return None
 
 
@@ -473,4 +474,4 @@ def _lora(c: KetchConfig) -> str | None:
 
 _CHECKS = (_betas, _critic_matches_estimator, _kl_used_once, _sampling, _loggers, _backend, _reward_sources)
 _CHECKS += (_registered_algorithms, _rollout_is, _dapo, _multi_turn, _standalone_rollout, _free_memory, _lora)
-_CHECKS += (_sequence_parallel, partial_rollout_problem, _router_replay, _quantization)
+_CHECKS += (_sequence_parallel, partial_rollout_problem, _router_replay, _quantization, exact_log_probs_problem)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ketch.config.exact import old_log_prob_key
 from ketch.config.schema import KetchConfig
 
 
@@ -39,7 +40,7 @@ def partial_rollout_problem(config: KetchConfig) -> str | None:
             f"does not support {given[0]} yet; set rollout.partial.enable=false or drop {given[0]}"
         )
     if c.actor.rollout_is is None:
-        also = " and actor.old_log_prob_from_rollout=false" if c.actor.old_log_prob_from_rollout else ""
+        also = f" and {old_log_prob_key(c).replace('true', 'false')}" if c.old_log_prob_from_rollout else ""
         return (
             "rollout.partial.enable=true trains on tokens sampled under older weights, which truncated importance "
             f"sampling against the rollout's log-probs corrects: set actor.rollout_is=token{also}"

@@ -156,6 +156,12 @@ class KetchConfig:
         return many or t.ray_address is not None
 
     @property
+    def old_log_prob_from_rollout(self) -> bool:
+        """Whether `old_log_prob` is the rollout's log-probs, with no forward of the training engine:
+        `actor.old_log_prob_from_rollout`, or `rollout.exact_log_probs` (where the two are equal)."""
+        return self.actor.old_log_prob_from_rollout or self.rollout.exact_log_probs
+
+    @property
     def use_reference(self) -> bool:
         """Whether reference log-probs are needed (KL in the reward or in the loss)."""
         return self.algorithm.use_kl_in_reward or self.actor.use_kl_loss

@@ -26,6 +26,7 @@ from ketch.engine.load_balancing import load_balancing_loss
 from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use_packed_attention
 from ketch.engine.sequence_parallel import sharded_states
 from ketch.engine.vision_forward import vision_hidden
+from ketch.models.batch_invariant import label_log_probs, make_batch_invariant
 from ketch.models.router_replay import ExpertRouting, differing
 
 
@@ -43,12 +44,17 @@ class _Deterministic(nn.Module):
 
 class PolicyModel(_Deterministic):
     """A causal LM that returns log-probs (and entropy) of given response tokens. With `route_experts`, a mixture of
-    experts keeps each token's experts, and routes by given ones where asked (`ketch.models.router_replay`)."""
+    experts keeps each token's experts, and routes by given ones where asked (`ketch.models.router_replay`). With
+    `batch_invariant`, the model computes batch-invariantly and the log-probs come from its output projection's
+    logits, one log-softmax per token, as the rollout computes them (`rollout.exact_log_probs`)."""
 
-    def __init__(self, lm: nn.Module, packed: bool = False, route_experts: bool = False):
+    def __init__(self, lm: nn.Module, packed: bool = False, route_experts: bool = False, batch_invariant: bool = False):
         super().__init__()
         self.eval_only = disable_dropout(lm)
         self.lm, self.packed, self.sequence_parallel = lm, packs(lm, packed), None
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            make_batch_invariant(lm)
         self.transform, self.router_logits = logit_transform(lm.config), []
         routers = router_outputs(lm)
         self.router = router(lm.config) if routers else None
@@ -103,9 +109,12 @@ class PolicyModel(_Deterministic):
             labels = input_ids[:, -response_len:][valid]
             place = partial(_place, valid, (input_ids.shape[0], response_len))
         head = self.lm.get_output_embeddings()
-        log_prob, entropy = token_log_probs(
-            states, labels, head.weight, head.bias, temperature, calc_entropy, transform=self.transform
-        )
+        if self.batch_invariant:
+            log_prob, entropy = label_log_probs(head(states), labels, temperature, calc_entropy)
+        else:
+            log_prob, entropy = token_log_probs(
+                states, labels, head.weight, head.bias, temperature, calc_entropy, transform=self.transform
+            )
         out = {"log_prob": place(log_prob)}
         if calc_entropy:
             out["entropy"] = place(entropy)

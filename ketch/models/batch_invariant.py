@@ -19,26 +19,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ketch.architecture import batch_invariant_problem
+
 ATTENTION = "ketch_batch_invariant"
 """The attention implementation name batch-invariant models are switched to."""
 ROWS = 16
 """Rows per block of every matmul: the fewest at which the CPU's matmul takes its general path."""
 KEYS = 64
 """Keys per block of attention."""
-FAMILIES = ("llama", "qwen2", "qwen3")
-"""The `model_type`s whose every reduction is covered: dense decoders of linear projections, RMSNorm, SiLU MLPs,
-rotary positions and plain scaled dot-product attention."""
-
-
-def exact_problem(model_config) -> str | None:
-    """Why the model of `model_config` (a HF config) cannot compute batch-invariantly, or None."""
-    if model_config.model_type not in FAMILIES:
-        return f"model_type={model_config.model_type!r} is not one of {', '.join(FAMILIES)}, whose ops it covers"
-    if model_config.hidden_act != "silu":
-        return f"hidden_act={model_config.hidden_act!r}: only SiLU MLPs are covered"
-    return None
-
-
 def _blocks(rows: torch.Tensor) -> torch.Tensor:
     """`[n, width]` zero-padded to a multiple of `ROWS` rows, as `[blocks, ROWS, width]`."""
     return F.pad(rows, (0, 0, 0, -rows.shape[0] % ROWS)).view(-1, ROWS, rows.shape[-1])
@@ -109,7 +97,7 @@ def _walk_keys(q, key, value, mask, scale: float) -> torch.Tensor:
     return acc / torch.where(total > 0, total, 1.0)[..., None]
 
 
-def token_log_probs(
+def label_log_probs(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float, calc_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of `labels` `[...]` under `logits` `[..., vocab]` / `temperature`, in float32, each row's
@@ -137,12 +125,12 @@ class BatchInvariantSiLU(nn.Module):
 
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
-    """Switch a HF causal LM of `FAMILIES` to batch-invariant ops in place: its linear layers (the output
-    projection among them) to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, its attention
-    to `attention` under a boolean mask. Raises ValueError for a model `exact_problem` refuses."""
+    """Switch a HF causal LM to batch-invariant ops in place: its linear layers (the output projection among them)
+    to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, its attention to `attention` under a
+    boolean mask. Raises ValueError for a model `architecture.batch_invariant_problem` refuses."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
-    if problem := exact_problem(model.config):
+    if problem := batch_invariant_problem(model.config):
         raise ValueError(f"rollout.exact_log_probs=true: {problem}")
     for parent in model.modules():
         for name, child in parent.named_children():

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from ketch.architecture import decoder_blocks, static_decoding_problem
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
+from ketch.models.batch_invariant import label_log_probs, make_batch_invariant
 from ketch.models.router_replay import ExpertRouting
 from ketch.models.vision import image_model_inputs, placeholder_token_ids
 from ketch.protocol import DataProto
@@ -35,6 +36,8 @@ class HFRollout(Rollout):
     ):
         m = config.model
         model = load_causal_lm(model_path, dtype, m.attn_implementation, m.trust_remote_code, m.override_config)
+        if config.rollout.exact_log_probs:  # the ops of the actor's training forward (`ketch.engine.heads`)
+            make_batch_invariant(model)
         size = config.rollout.tensor_parallel_size
         self.tp = TensorParallel(size) if size > 1 else None
         self.model = self.tp.shard_model(model, device) if self.tp else model.to(device).eval()
@@ -46,7 +49,7 @@ class HFRollout(Rollout):
         self.stop_token_ids = stop_token_ids(tokenizer, model_path, config.rollout.stop_token_ids)
         self.never_sampled = placeholder_token_ids(self.model.config)
         static = config.rollout.hf_decoding == "static" or (
-            config.rollout.hf_decoding == "auto" and device.type == "cuda"
+            config.rollout.hf_decoding == "auto" and device.type == "cuda" and not config.rollout.exact_log_probs
         )
         if static and (problem := static_decoding_problem(self.model)):
             logger.info("%s decodes with generate, not the static decoder: %s", type(self.model).__name__, problem)
@@ -176,9 +179,8 @@ class HFRollout(Rollout):
 
     def _log_probs(self, logits: tuple[torch.Tensor, ...], responses: torch.Tensor, temperature: float) -> torch.Tensor:
         """Log-probs `[batch, response_len]` of the sampled tokens under the raw logits / temperature."""
-        stacked = torch.stack(logits, dim=1).float() / temperature
-        taken = responses[:, : stacked.shape[1]]
-        log_probs = stacked.log_softmax(-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
+        stacked = torch.stack(logits, dim=1)
+        log_probs, _ = label_log_probs(stacked, responses[:, : stacked.shape[1]], temperature)
         return self._pad_float(log_probs)
 
     def _pad_float(self, values: torch.Tensor) -> torch.Tensor:

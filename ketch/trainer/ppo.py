@@ -149,7 +149,7 @@ class PPOTrainer(TrainingLoop):
         timings: dict[str, float] = {}
         step_start = time.perf_counter()
         batch, metrics = self._generated(batch, step, timings)
-        if self.config.actor.old_log_prob_from_rollout:
+        if self.config.old_log_prob_from_rollout:
             batch.batch["old_log_prob"] = batch.batch["rollout_log_probs"]
         elif recompute_old_log_prob(self.config, self.plan):
             with _timed(timings, "old_log_prob"):

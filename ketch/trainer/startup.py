@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from ketch.config import KetchConfig
+from ketch.config.exact import check_exact_start
 from ketch.config.parallel import check_megatron_start, check_rollout_start, check_vision_start, megatron_roles
 from ketch.engine.lora import check_lora
 from ketch.engine.megatron.weights import check_supported
@@ -79,5 +80,6 @@ def _check_policy(c: KetchConfig, model_config: Any) -> None:
     check_vision_start(c, model_config)
     check_megatron_start(c, model_config, torch.cuda.is_available())
     check_rollout_start(c, model_config)
+    check_exact_start(c, model_config)
     if megatron_roles(c):
         check_supported(model_config)

@@ -74,11 +74,12 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         else:
             lora = c.actor.lora
             mixed = self.dtype if self.dtype != torch.float32 else None
-            packed = packing_enabled(c.model.use_remove_padding, self.device)
-            compile = compile_enabled(c.model.use_torch_compile, self.device)
+            exact = c.rollout.exact_log_probs  # padded and eager: the forward the rollout's decoding matches
+            packed = packing_enabled(c.model.use_remove_padding, self.device) and not exact
+            compile = compile_enabled(c.model.use_torch_compile, self.device) and not exact
             # a frozen base stays in model.dtype: it needs no float32 master weights
             route = c.actor.router_replay != "off"
-            policy = PolicyModel(self._load(self.dtype if lora.enabled else torch.float32), packed, route)
+            policy = PolicyModel(self._load(self.dtype if lora.enabled else torch.float32), packed, route, exact)
             if lora.enabled:  # after the head turned the model's dropout off: the adapters' own stays
                 add_lora(policy.lm, lora, seed=c.trainer.seed)
             self.actor = TrainEngine(
@@ -287,10 +288,10 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
     def _rollout_column(self, data: DataProto) -> str | None:
         """The rollout's log-probs that the update's first forward (on the weights the rollout sampled with) is
         measured against: `rollout_log_probs` where that forward is the training engine's π_old (no old-log-prob
-        pass), `old_log_prob` where it came from the rollout (`actor.old_log_prob_from_rollout`), else None."""
+        pass), `old_log_prob` where it came from the rollout (`KetchConfig.old_log_prob_from_rollout`), else None."""
         if "old_log_prob" not in data.batch:
             return "rollout_log_probs" if "rollout_log_probs" in data.batch else None
-        return "old_log_prob" if self.config.actor.old_log_prob_from_rollout else None
+        return "old_log_prob" if self.config.old_log_prob_from_rollout else None
 
     def _rollout_mismatch(self, log_prob: torch.Tensor, b: dict, num_tokens: torch.Tensor) -> dict:
         """The rollout mismatch (`rollout_mismatch_terms`) of the update's first forward, as shares that sum over
