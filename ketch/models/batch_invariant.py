@@ -27,6 +27,8 @@ ROWS = 16
 """Rows per block of every matmul: the fewest at which the CPU's matmul takes its general path."""
 KEYS = 64
 """Keys per block of attention."""
+
+
 def _blocks(rows: torch.Tensor) -> torch.Tensor:
     """`[n, width]` zero-padded to a multiple of `ROWS` rows, as `[blocks, ROWS, width]`."""
     return F.pad(rows, (0, 0, 0, -rows.shape[0] % ROWS)).view(-1, ROWS, rows.shape[-1])
@@ -58,17 +60,23 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: `query` `[batch, heads, q_len, head_dim]`, `key`/`value` `[batch, kv_heads,
     kv_len, head_dim]`, `attention_mask` `[batch, 1, q_len, kv_len]` (True: attend) -> `[batch, q_len, heads,
-    head_dim]`. Each query walks the keys in blocks of `KEYS` from key 0, with an online softmax: a block wholly
-    masked leaves the running sums as they were, so a decode step over its cache and a forward over the whole
-    sequence (whose later keys are masked) compute each query alike. A query with no key to attend gives zeros."""
+    head_dim]`. Each row's keys that some query attends (not padding) are moved to the front, so that a sequence's
+    keys fall into the same blocks however far it is padded; each query then walks them in blocks of `KEYS` with an
+    online softmax. A block wholly masked leaves the running sums as they were, so a decode step over its cache and
+    a forward over the whole sequence (whose later keys are masked) compute each query alike. A query with no key to
+    attend gives zeros."""
     if dropout or kwargs.get("softcap") is not None or attention_mask is None:
         raise ValueError(f"{ATTENTION} attention on {type(module).__name__}: dropout, soft-capping or no mask")
     batch, heads, q_len, head_dim = query.shape
+    mask = attention_mask[:, 0].expand(batch, q_len, -1)
+    order = torch.sort((~mask.any(1)).byte(), dim=-1, stable=True).indices  # [batch, kv_len]: real keys first
+    key, value = (t.gather(2, order[:, None, :, None].expand_as(t)) for t in (key, value))
     key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    mask = mask.gather(-1, order[:, None].expand_as(mask))
     pad_q, pad_k = -q_len % ROWS, -key.shape[2] % KEYS
     q = F.pad(query, (0, 0, 0, pad_q)).reshape(batch * heads, -1, ROWS, head_dim)
     key, value = (F.pad(t, (0, 0, 0, pad_k)).flatten(0, 1) for t in (key, value))
-    mask = F.pad(attention_mask[:, 0], (0, pad_k, 0, pad_q)).view(batch, q.shape[1], ROWS, -1)
+    mask = F.pad(mask, (0, pad_k, 0, pad_q)).view(batch, q.shape[1], ROWS, -1)
     scale = head_dim**-0.5 if scaling is None else scaling
     out = _walk_keys(q, key, value, mask.repeat_interleave(heads, dim=0), scale)
     out = out.view(batch, heads, -1, head_dim)[:, :, :q_len]
