@@ -118,7 +118,9 @@ class AttentionShape:
 
 def attention_shape(config: Any) -> AttentionShape:
     """Query heads, key/value heads and head size of a HF decoder `config` (the key/value heads are the query
-    heads without grouped-query attention; the head size is `hidden_size / heads` where the config has none)."""
+    heads without grouped-query attention; the head size is `hidden_size / heads` where the config has none); a
+    vision-language model's are its language model's."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -254,14 +256,19 @@ def packing_problem(model: nn.Module) -> str | None:
     return _fast_path_problem(model)
 
 
+CAUSAL_VISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""The vision-language families whose prompt attends causally, image tokens included (Gemma 3's image tokens attend
+to each other both ways): the static decoder prefills them with their images and multimodal rotary positions."""
+
+
 def static_decoding_problem(model: nn.Module) -> str | None:
     """Why the static decoder (`rollout/static_decoding.py`) cannot decode `model`, or None when it can: every
     block has one attention module, whose calls to transformers' attention interface the decoder's KV cache hooks
     into, the model needs no more than the decoder's attention computes (`_fast_path_problem`), and keys and
-    values have the config's head size (the cache's pages hold one size). A vision-language model decodes with
-    `generate`, which reads its images at prefill."""
-    if is_vision_model(model.config):
-        return "a vision-language model's images are read at prefill by generate"
+    values have the config's head size (the cache's pages hold one size). Of the vision-language models, those whose
+    prompt attends causally, images included (`CAUSAL_VISION`), decode here; the others with `generate`."""
+    if is_vision_model(model.config) and model.config.model_type not in CAUSAL_VISION:
+        return "its image tokens attend to each other both ways at prefill, which generate computes"
     blocks = decoder_blocks(model)
     if not blocks or any(block_attention(block) is None for block in blocks):
         return "its decoder blocks have no single attention module each"

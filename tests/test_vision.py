@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from torch import nn
 from transformers import AutoConfig
 
 from ketch.config import ConfigError
@@ -25,6 +26,7 @@ from ketch.doctor.checks import _config_rows
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
 from ketch.models.vision import (
+    QWEN_IMAGE,
     VISION_MODULES,
     VisionModelError,
     image_model_inputs,
@@ -32,6 +34,8 @@ from ketch.models.vision import (
     placeholder_token_ids,
     vision_family,
 )
+from ketch.rollout.sampling import Sampling
+from ketch.rollout.static_decoding import StaticDecoder
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 from tests.vision_models import FAMILIES, save_tiny_vlm
@@ -177,13 +181,15 @@ PROJECTOR_AND_TOWER = {
 def test_two_grpo_steps_train_the_language_model_and_projector_with_the_images(
     tiny_config, vlm_dirs, image_task, family
 ):
-    """The rollout reads the images at prefill and the training forward again (packed as on a GPU, Gemma 3 padded;
-    `generate`): in float32 the rollout's log-probs are the training forward's."""
+    """The rollout reads the images at prefill and the training forward again, as on a GPU: the static decoder and
+    packed forwards (Gemma 3: `generate` and padded forwards). In float32 the rollout's log-probs are the training
+    forward's."""
     # a random model scores 0 everywhere (advantages 0): the entropy bonus gives every trained weight a gradient
-    overrides = ("actor.entropy_coeff=0.01", "model.use_remove_padding=true")
+    overrides = ("actor.entropy_coeff=0.01", "model.use_remove_padding=true", "rollout.hf_decoding=static")
     trainer = PPOTrainer(_grpo_config(tiny_config, vlm_dirs[family], image_task, *overrides))
     trainer._open()
     assert trainer.actor_rollout.worker.actor.module.packed == (family != "gemma3")
+    assert (trainer.actor_rollout.worker.rollout.decoder is not None) == (family != "gemma3")
     before = _weights(trainer)
     metrics = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
     after = _weights(trainer)
@@ -219,6 +225,45 @@ def test_lora_adapts_the_language_model_only_and_exports_an_adapter_that_leaves_
     trainer.groups.shutdown()
     saved = json.loads((trainer.run_dir / "model" / "adapter" / "adapter_config.json").read_text())
     assert saved["exclude_modules"] == VISION_MODULES
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_static_decoder_reads_the_images_and_never_samples_a_placeholder(vlm_dirs, family):
+    """Three rows (an image, none, an image mid-prompt; left-padded, also into a bucket's shape) whose logits favour
+    the image placeholder at every step: the static decoder gives `generate`'s greedy tokens with the placeholders
+    suppressed, and the log-probs of the model's whole distribution, as `generate`'s raw logits give them."""
+    model = load_causal_lm(vlm_dirs[family]).eval()
+    bias = torch.zeros(model.lm_head.out_features)
+    bias[model.config.image_token_id] = 8.0
+    model.lm_head.bias = nn.Parameter(bias)
+    processor, image = load_image_processor(vlm_dirs[family]), QWEN_IMAGE
+    prompts = [(f"{image}dots?", [_image(28, 40)]), ("no image", None), (f"one {image} here", [_image(44, 40)])]
+    encoded = [processor(text=[text], images=images, return_tensors="pt") for text, images in prompts]
+    rows = [{k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out} for out in encoded]
+    ids = [out["input_ids"][0] for out in encoded]
+    width, pad = max(map(len, ids)), processor.tokenizer.pad_token_id
+    input_ids = torch.stack([nn.functional.pad(row, (width - len(row), 0), value=pad) for row in ids])
+    mask = (input_ids != pad).long()
+    never = placeholder_token_ids(model.config)
+    settings = {"max_new_tokens": 8, "do_sample": False, "suppress_tokens": never, "pad_token_id": pad}
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=mask,
+        eos_token_id=None,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **settings,
+        **image_model_inputs(model.config, input_ids, rows),
+    )
+    expected = out.sequences[:, width:]
+    logits = torch.stack(out.logits, 1)  # raw: before the suppression
+    assert (logits.argmax(-1) == model.config.image_token_id).all()  # the placeholder would win every step
+    log_probs = logits.log_softmax(-1).gather(-1, expected[..., None]).squeeze(-1)
+    for buckets in (False, True):
+        decoder = StaticDecoder(model, compile_step=False, buckets=buckets, never_sampled=never)
+        tokens, decoded = decoder.generate(input_ids, mask, 8, Sampling(False), None, pad, images=rows)
+        assert torch.equal(tokens, expected)
+        assert (decoded - log_probs).abs().max() < 1e-5
 
 
 def test_the_placeholder_tokens_a_rollout_never_samples_are_the_familys_image_and_video_tokens(vlm_dirs):

@@ -96,7 +96,9 @@ def cached_attention(
     transformers' causal mask (sliding windows included), one new token over the whole cache under
     `attention_mask` `[batch, 1, 1, length]` (True: a filled slot), in a layer with a `sliding_window` only over
     the slots less than that many back. The cache is reached through the module, not by the layer's index, so
-    every block runs the same code."""
+    every block runs the same code. A module the decoder gives no cache (a vision encoder's) attends as SDPA."""
+    if not hasattr(module, "decode_kv"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if cache_slots is None:
         raise ValueError(f"{DECODE_ATTENTION} attention: call the model with `cache_slots` (see StaticDecoder)")
     keys, values, table = module.decode_kv

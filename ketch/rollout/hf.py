@@ -56,7 +56,10 @@ class HFRollout(Rollout):
             static = False
         compiled = device.type == "cuda"
         longest = config.data.max_prompt_length
-        self.decoder = StaticDecoder(self.model, compiled, longest_prompt=longest) if static else None
+        never = self.never_sampled
+        self.decoder = (
+            StaticDecoder(self.model, compiled, longest_prompt=longest, never_sampled=never) if static else None
+        )
         fp8 = config.rollout.quantization == "fp8"
         self.fp8 = FP8Projections(decoder_blocks(self.model)) if fp8 else None
         self.routing = ExpertRouting(self.model).attach() if config.actor.router_replay != "off" else None
@@ -153,7 +156,8 @@ class HFRollout(Rollout):
         stops = None if r.ignore_eos else self.stop_token_ids
         b = prompts.batch
         args = (self.max_response_length, sampling, stops, self.pad_token_id, stop_after)
-        decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args)
+        images = prompts.non_tensor_batch.get("multi_modal_inputs")
+        decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args, images=images)
         return decoded if self.routing is None else (*decoded, self.decoder.routed_experts)
 
     def _generation_config(

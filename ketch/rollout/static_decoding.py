@@ -41,6 +41,7 @@ from ketch.architecture import (
 )
 from ketch.compiled import eager, saved_compile
 from ketch.models.router_replay import ExpertRouting, compact_dtype
+from ketch.models.vision import image_model_inputs
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.fused_projections import fuse_projections
 from ketch.rollout.kv_pages import KVPages
@@ -183,13 +184,18 @@ class StaticDecoder:
         backend: str = "inductor",
         longest_prompt: int = 0,
         compact_remaining: int = COMPACT_REMAINING,
+        never_sampled: list[int] | None = None,
     ):
         """`compile_step` compiles each transformer block (one graph shared by all, `backend` is torch.compile's)
         and on CUDA captures the decode step into a CUDA graph per shape; `buckets` (default: when compiling)
         rounds batch shapes up so that few shapes are compiled and captured, and sizes every KV cache for a prompt
         of `longest_prompt` tokens or more, and compacts a batch whose unfinished rows fit in half its rows with at
-        least `compact_remaining` tokens to go (`COMPACT_REMAINING`)."""
+        least `compact_remaining` tokens to go (`COMPACT_REMAINING`). Tokens `never_sampled` (a vision-language
+        model's image placeholders) are never sampled, and the log-probs stay those of the model's whole
+        distribution, as `generate`'s with `suppress_tokens`."""
         self.model = model
+        device = next(model.parameters()).device
+        self.never_sampled = torch.tensor(never_sampled, device=device) if never_sampled else None
         self.compact_remaining = compact_remaining
         self.buckets = compile_step if buckets is None else buckets
         self.longest_prompt = -(-longest_prompt // PROMPT_BUCKET) * PROMPT_BUCKET if self.buckets else 0
@@ -238,9 +244,11 @@ class StaticDecoder:
         for attention in self.attentions:
             attention.decode_kv = None
 
-    def _step(self, tokens, attention_mask, position_ids, cache_slots):
+    def _step(self, tokens, attention_mask, position_ids, cache_slots, **images):
         """Logits `[batch, vocab]` of the last position (in the model's dtype: the sampler reads them as float32),
-        after `tokens` `[batch, new]` at `position_ids` are written into the KV cache slots `cache_slots` `[new]`."""
+        after `tokens` `[batch, new]` at `position_ids` (`[batch, new]`, or a Qwen vision-language model's `[3,
+        batch, new]`) are written into the KV cache slots `cache_slots` `[new]`; `images`: a prefill's
+        (`ketch.models.vision.image_model_inputs`)."""
         out = self.model(
             input_ids=tokens,
             attention_mask=attention_mask,
@@ -248,14 +256,15 @@ class StaticDecoder:
             use_cache=False,
             cache_slots=cache_slots,
             logits_to_keep=1,
+            **images,
         )
         return out.logits[:, -1]
 
-    def _prefill(self, b: DecodeBuffers, input_ids, attention_mask, positions, experts=None) -> torch.Tensor:
+    def _prefill(self, b: DecodeBuffers, input_ids, attention_mask, positions, experts=None, images=None):
         """Logits `[batch, vocab]` of the prompts' last positions, with their keys and values written into `b`'s
         cache: eager (the prompt runs once a call: not worth a compile), in groups of rows of at most
-        `PREFILL_TOKENS` tokens; the prompt tokens' experts go to `experts` `[batch, length, moe_layers, top_k]`
-        where given."""
+        `PREFILL_TOKENS` tokens, each with its rows' `images`; the prompt tokens' experts go to `experts` `[batch,
+        length, moe_layers, top_k]` where given."""
         batch, prompt_len = input_ids.shape
         slots = torch.arange(prompt_len, device=input_ids.device)
         group = max(1, PREFILL_TOKENS // prompt_len)
@@ -264,7 +273,12 @@ class StaticDecoder:
             for first in range(0, batch, group):
                 rows = slice(first, first + group)
                 b.use(rows)
-                logits.append(self._step(input_ids[rows], attention_mask[rows], positions[rows], slots))
+                inputs = (
+                    image_model_inputs(self.model.config, input_ids[rows], images[rows]) if images is not None else {}
+                )
+                logits.append(
+                    self._step(input_ids[rows], attention_mask[rows], positions[..., rows, :], slots, **inputs)
+                )
                 if experts is not None:
                     experts[rows, :prompt_len] = self.routing.chosen().view(-1, prompt_len, *experts.shape[2:])
         b.use()
@@ -298,7 +312,13 @@ class StaticDecoder:
         """Sample each row's next token from `logits` `[rows, vocab]` and make it the next step's input: it takes
         the slot after `b.slot`, where `b.responses` and `b.log_probs` get it (the pad token and 0 in rows that had
         finished before it); a stop token finishes its row."""
-        token, log_prob = sampling.sample(logits, b.seed)
+        if self.never_sampled is None:
+            token, log_prob = sampling.sample(logits, b.seed)
+        else:
+            masked = logits.index_fill(1, self.never_sampled, float("-inf"))
+            token, log_prob = sampling.sample(masked, b.seed)
+            scale = sampling.temperature if sampling.do_sample else 1.0
+            log_prob += (masked.float() / scale).logsumexp(-1) - (logits.float() / scale).logsumexp(-1)
         b.seed.add_(1)
         slot = b.slot + 1
         b.responses.index_copy_(1, slot, token.masked_fill(b.done, pad)[:, None])
@@ -356,8 +376,10 @@ class StaticDecoder:
         stop_token_ids: list[int] | None,
         pad_token_id: int,
         stop_after: int | None = None,
+        images: list[dict] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]`.
+        """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]` (with
+        `images`, each row's `multi_modal_inputs` for a vision-language model: read at prefill).
         After a row's first stop token its tokens are `pad_token_id` (log-prob 0); `stop_token_ids=None`
         decodes every row to the full length. With `buckets`, the batch runs padded to the next power of two
         rows and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a few compiled shapes
@@ -367,7 +389,7 @@ class StaticDecoder:
         rows, prompt_len = input_ids.shape
         args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
         if not self.buckets:
-            return self._generate(input_ids, attention_mask, *args)
+            return self._generate(input_ids, attention_mask, *args, images=images)
         extra_rows = (1 << (rows - 1).bit_length()) - rows
         extra_len = -prompt_len % PROMPT_BUCKET
         room = self.longest_prompt + max_new_tokens - min(max_new_tokens, stop_after or max_new_tokens) - prompt_len
@@ -376,7 +398,8 @@ class StaticDecoder:
         input_ids = nn.functional.pad(input_ids, (extra_len, 0, 0, extra_rows), value=pad_token_id)
         attention_mask = nn.functional.pad(attention_mask, (extra_len, 0, 0, extra_rows))
         attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
-        tokens, log_probs = self._generate(input_ids, attention_mask, *args, active_rows=rows)
+        images = None if images is None else [*images, *[{}] * extra_rows]
+        tokens, log_probs = self._generate(input_ids, attention_mask, *args, active_rows=rows, images=images)
         if self.routing is not None:
             self.routed_experts = self.routed_experts[:rows, extra_len:]
         return tokens[:rows], log_probs[:rows]
@@ -391,6 +414,7 @@ class StaticDecoder:
         pad_token_id: int,
         stop_after: int | None = None,
         active_rows: int | None = None,
+        images: list[dict] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`generate` on a batch as it is; rows from `active_rows` on count as finished from the start."""
         batch, prompt_len = input_ids.shape
@@ -400,10 +424,10 @@ class StaticDecoder:
         timed = self.compiled and shape not in self.seen  # a shape's first decode is logged, with its prompt's part
         start = time.perf_counter()
         b = self._buffers(*shape, device)
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        b.start(attention_mask, positions[:, -1:], batch if active_rows is None else active_rows, pad_token_id)
+        positions, last = self._positions(input_ids, attention_mask, images)
+        b.start(attention_mask, last, batch if active_rows is None else active_rows, pad_token_id)
         experts = self._experts(batch, shape[1], device)
-        logits = self._prefill(b, input_ids, attention_mask, positions, experts)
+        logits = self._prefill(b, input_ids, attention_mask, positions, experts, images)
         prompt_s = _finished(device) - start if timed else 0.0
         is_stop = self._stop_table(stop_token_ids or [], logits.shape[-1], device)
         self._record(b, logits, sampling, is_stop, pad_token_id)
@@ -438,6 +462,20 @@ class StaticDecoder:
         if experts is not None:
             self.routed_experts = nn.functional.pad(experts[:, :end], (0, 0, 0, 0, *pad))
         return tokens, nn.functional.pad(out[1][:, prompt_len:end], pad)
+
+    def _positions(self, input_ids, attention_mask, images) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' positions `[batch, prompt_len]` (with images, a Qwen vision-language model's multimodal
+        rotary positions `[3, batch, prompt_len]`, from its own `get_rope_index`) and the position `[batch, 1]`
+        after which each row's response counts on (past an image, the text position plus the row's offset)."""
+        text = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        inputs = image_model_inputs(self.model.config, input_ids, images) if images is not None else {}
+        if "image_grid_thw" not in inputs:
+            return text, text[:, -1:]
+        types, grid = inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+        rotary, offset = self.model.model.get_rope_index(
+            input_ids, types, image_grid_thw=grid, attention_mask=attention_mask
+        )
+        return rotary, text[:, -1:] + offset
 
     def _experts(self, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
         """With `routing`: zeros `[batch, length, moe_layers, top_k]` for the experts of a batch's tokens."""
