@@ -28,7 +28,6 @@ def partial_rollout_problem(config: KetchConfig) -> str | None:
         return None
     refused = {
         "rollout.multi_turn.enable=true": c.rollout.multi_turn.enable,
-        "rollout.name=vllm": c.rollout.name == "vllm",
         "algorithm.filter_groups.enable=true": c.algorithm.filter_groups.enable,
         "rollout.staleness=1": c.rollout.staleness > 0,
         "algorithm.adv_estimator=remax": c.algorithm.adv_estimator == "remax",
@@ -36,7 +35,7 @@ def partial_rollout_problem(config: KetchConfig) -> str | None:
     given = [key for key, on in refused.items() if on]
     if given:
         return (
-            f"rollout.partial.enable=true continues single-turn trajectories of the hf rollout from the driver and "
+            f"rollout.partial.enable=true continues single-turn trajectories from the driver and "
             f"does not support {given[0]} yet; set rollout.partial.enable=false or drop {given[0]}"
         )
     if c.actor.rollout_is is None:

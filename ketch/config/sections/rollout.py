@@ -44,7 +44,7 @@ class PartialRolloutConfig:
     truncated importance sampling against the rollout's log-probs (actor.rollout_is) corrects."""
 
     enable: bool = False
-    """Partial rollouts (needs actor.rollout_is; single-turn rollouts of the hf backend)."""
+    """Partial rollouts (needs actor.rollout_is; single-turn rollouts of the hf or vLLM backend)."""
     over_sample: float = 1.5
     """Prompts in flight per step, as a multiple of data.train_batch_size (rounded up): the groups beyond the first
     data.train_batch_size finished ones are carried to the next step, finished or not."""
