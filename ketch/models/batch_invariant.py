@@ -68,38 +68,45 @@ def attention(
     if dropout or kwargs.get("softcap") is not None or attention_mask is None:
         raise ValueError(f"{ATTENTION} attention on {type(module).__name__}: dropout, soft-capping or no mask")
     batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    rows = heads // kv_heads * q_len  # the queries of the heads that share a key head, as rows of one matmul
     mask = attention_mask[:, 0].expand(batch, q_len, -1)
     order = torch.sort((~mask.any(1)).byte(), dim=-1, stable=True).indices  # [batch, kv_len]: real keys first
     key, value = (t.gather(2, order[:, None, :, None].expand_as(t)) for t in (key, value))
-    key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     mask = mask.gather(-1, order[:, None].expand_as(mask))
-    pad_q, pad_k = -q_len % ROWS, -key.shape[2] % KEYS
-    q = F.pad(query, (0, 0, 0, pad_q)).reshape(batch * heads, -1, ROWS, head_dim)
-    key, value = (F.pad(t, (0, 0, 0, pad_k)).flatten(0, 1) for t in (key, value))
-    mask = F.pad(mask, (0, pad_k, 0, pad_q)).view(batch, q.shape[1], ROWS, -1)
+    mask = mask[:, None].expand(-1, heads // kv_heads, -1, -1).reshape(batch, rows, -1)
+    pad_q, pad_k = -rows % ROWS, -key.shape[2] % KEYS
+    q = F.pad(query.reshape(batch, kv_heads, rows, head_dim), (0, 0, 0, pad_q))
+    q = q.view(batch, kv_heads, -1, ROWS, head_dim)
+    key, value = (F.pad(t, (0, 0, 0, pad_k)) for t in (key, value))
+    mask = F.pad(mask, (0, pad_k, 0, pad_q)).view(batch, 1, q.shape[2], ROWS, -1)
     scale = head_dim**-0.5 if scaling is None else scaling
-    out = _walk_keys(q, key, value, mask.repeat_interleave(heads, dim=0), scale)
-    out = out.view(batch, heads, -1, head_dim)[:, :, :q_len]
+    out = _walk_keys(q, key, value, mask, scale)
+    out = out.flatten(2, 3)[:, :, :rows].reshape(batch, heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _walk_keys(q, key, value, mask, scale: float) -> torch.Tensor:
-    """The online softmax over key blocks: `q` `[bh, q_blocks, ROWS, d]` (bh: batch x heads), `key`/`value` `[bh,
-    keys, d]` (keys a multiple of `KEYS`), `mask` `[bh, q_blocks, ROWS, keys]` -> `[bh, q_blocks, ROWS, d]`."""
-    bh, q_blocks = q.shape[:2]
-    flat_q = q.flatten(0, 1)
-    peak = q.new_full((bh, q_blocks, ROWS), float("-inf"))
-    total, acc = q.new_zeros(bh, q_blocks, ROWS), torch.zeros_like(q)
-    for start in range(0, key.shape[1], KEYS):
-        k, v = (t[:, start : start + KEYS] for t in (key, value))
-        scores = torch.bmm(flat_q, k.transpose(1, 2).repeat_interleave(q_blocks, dim=0)).view(bh, q_blocks, ROWS, KEYS)
+    """The online softmax over key blocks: `q` `[batch, kv_heads, q_blocks, ROWS, d]`, `key`/`value` `[batch,
+    kv_heads, keys, d]` (keys a multiple of `KEYS`), `mask` `[batch, 1, q_blocks, ROWS, keys]` -> like `q`."""
+    blocks = q.shape[2]
+    flat_q = q.flatten(0, 2)
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [batch, kv_heads, a, b] -> [batch * kv_heads * blocks, a, b]
+        return t[:, :, None].expand(-1, -1, blocks, -1, -1).flatten(0, 2)
+
+    peak = q.new_full(q.shape[:-1], float("-inf"))
+    total, acc = q.new_zeros(q.shape[:-1]), torch.zeros_like(q)
+    for start in range(0, key.shape[2], KEYS):
+        k, v = (t[:, :, start : start + KEYS] for t in (key, value))
+        scores = torch.bmm(flat_q, per_block(k.transpose(2, 3))).view(*q.shape[:-1], KEYS)
         scores = (scores * scale).masked_fill(~mask[..., start : start + KEYS], float("-inf"))
         new_peak = torch.maximum(peak, scores.amax(-1))
         shift = torch.where(new_peak == float("-inf"), 0.0, new_peak)
         weights = torch.exp(scores - shift[..., None])
         rescale = torch.exp(peak - shift)
         total = total * rescale + weights.sum(-1)
-        weighted = torch.bmm(weights.flatten(0, 1), v.repeat_interleave(q_blocks, dim=0)).view_as(acc)
+        weighted = torch.bmm(weights.flatten(0, 2), per_block(v)).view_as(acc)
         acc = acc * rescale[..., None] + weighted
         peak = new_peak
     return acc / torch.where(total > 0, total, 1.0)[..., None]
