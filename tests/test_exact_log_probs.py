@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import GPT2Config, LlamaConfig
-from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers import GPT2Config, LlamaConfig, Qwen2Config
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding
 
 from ketch.config import ConfigError, load_config
 from ketch.config.exact import check_exact_start
@@ -50,6 +50,14 @@ def test_rms_norm_is_per_row_as_it_stands():
     torch.manual_seed(0)
     norm, x = Qwen2RMSNorm(896), torch.randn(40, 896)
     assert torch.equal(_one_at_a_time(norm, x), norm(x))
+
+
+def test_rotary_cos_and_sin_of_a_position_are_the_same_in_a_decode_step_as_in_a_sequence():
+    rotary, x = Qwen2RotaryEmbedding(Qwen2Config(hidden_size=896, num_attention_heads=14)), torch.zeros(1)
+    sequence = rotary(x, torch.arange(300)[None].expand(3, -1))
+    for position in (0, 7, 130, 299):
+        step = rotary(x, torch.tensor([[position]] * 5))
+        assert all(torch.equal(one[0, 0], many[0, position]) for one, many in zip(step, sequence, strict=True))
 
 
 def _mask(real: torch.Tensor, q_len: int) -> torch.Tensor:
