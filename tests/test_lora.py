@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from ketch.algorithms import policy_loss
 from ketch.cli import main
 from ketch.config import ConfigError, derive_batch_plan, load_config
-from ketch.config.memory import lora_parameters
+from ketch.config.memory import lora_parameters, shared_rollout_parameters
 from ketch.config.schema import LoraConfig, OptimConfig
 from ketch.controller import LocalWorkerGroup
 from ketch.engine.distributed import free_port, init_process_group
@@ -153,6 +153,36 @@ def test_the_reference_is_the_actors_base_model_with_its_adapters_off(lora_actor
     torch.testing.assert_close(reference[mask], base[mask], atol=1e-6, rtol=0)
     assert (actor[mask] - base[mask]).abs().max() > 1e-3  # the adapters did move: the actor is not the reference
     torch.testing.assert_close(group.compute_log_prob(data).batch["old_log_prob"], actor)  # adapters back on
+
+
+def test_the_rollout_reads_the_frozen_weights_in_place_and_frees_only_its_own(tiny_config):
+    """LoRA on the attention projections: the hf rollout reads the embeddings (tied), the norms and the down
+    projections from the actor's own tensors, not copies (the static decoder's fused gate/up is a copy it computes
+    with); sleeping frees the rollout's own weights only, and two steps decode the trained adapters."""
+    config = tiny_config(
+        "algorithm.adv_estimator=grpo", "rollout.n=2", "data.train_batch_size=4", "actor.lora.rank=4",
+        "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]", "actor.optim.lr=0.05", "actor.entropy_coeff=0.01",
+        "rollout.hf_decoding=static", "rollout.free_memory_while_training=true",
+    )  # fmt: skip
+    trainer = PPOTrainer(config)
+    trainer._open()
+    worker = trainer.actor_rollout.worker
+    actor = {n.removeprefix("lm."): p.to_local() for n, p in worker.actor.module.named_parameters()}
+    rollout = dict(worker.rollout.model.named_parameters(remove_duplicate=False))
+    per_layer = ("input_layernorm.weight", "post_attention_layernorm.weight", "mlp.down_proj.weight")
+    expected = {f"model.layers.{i}.{name}" for i in range(2) for name in per_layer}
+    assert worker.rollout.shared == expected | {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    assert all(rollout[n].data_ptr() == actor[n].data_ptr() for n in expected | {"model.embed_tokens.weight"})
+    metrics = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
+    worker.rollout.sleep()
+    kept = {n for n, p in rollout.items() if p.untyped_storage().nbytes() > 0}
+    trainer.groups.shutdown()
+    assert kept == worker.rollout.shared
+    with torch.device("meta"):  # ketch doctor's estimate counts the same parameters
+        skeleton = AutoModelForCausalLM.from_config(load_model_config(config.model.path))
+    shared = {id(rollout[n]): rollout[n].numel() for n in worker.rollout.shared}
+    assert shared_rollout_parameters(config, skeleton) == sum(shared.values())
+    assert all(m["training/rollout_probs_diff_max"] < 1e-5 for m in metrics)
 
 
 def greedy(model, prompts: DataProto, new_tokens: int = 8) -> torch.Tensor:

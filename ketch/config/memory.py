@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from ketch.architecture import attention_shape, intermediate_size
 from ketch.config.batch import derive_batch_plan
 from ketch.config.schema import KetchConfig
@@ -41,13 +43,14 @@ tensors at a time (the fused kernels' inputs, outputs and the gradient)."""
 
 
 def gpu_memory_parts(
-    config: KetchConfig, model: Any, parameters: int, gpu_bytes: int, attention: str | None = None
+    config: KetchConfig, model: Any, parameters: int, gpu_bytes: int, attention: str | None = None, shared: int = 0
 ) -> dict[str, dict[str, int]]:
     """Bytes per GPU of each part, by phase, for a policy of `parameters` parameters whose Hugging Face config is
     `model` (layers, key/value heads, head size for the KV cache), on GPUs of `gpu_bytes` (vLLM's share). The
     critic counts as the policy's size. `attention` is transformers' attention kernel where the update's forwards
-    run padded (None where they are packed): `eager` adds its attention scores. Parts a phase does not hold are
-    left out."""
+    run padded (None where they are packed): `eager` adds its attention scores. `shared` parameters the hf
+    rollout reads from the actor's (`shared_rollout_parameters`) take no memory of the rollout's. Parts a phase does
+    not hold are left out."""
     parts: dict[str, dict[str, int]] = {phase: {} for phase in PHASES}
     frozen = _frozen_bytes(config)
     gpus = config.num_processes(gpu_visible=True)
@@ -75,10 +78,36 @@ def gpu_memory_parts(
     if r.name == "vllm":
         parts["generation"]["vLLM (rollout.gpu_memory_utilization)"] = int(r.gpu_memory_utilization * gpu_bytes)
         return parts
-    rollout = {"rollout weights": parameters * frozen // r.tensor_parallel_size, "KV cache": _kv_bytes(config, model)}
+    own = (parameters - shared) * frozen // r.tensor_parallel_size
+    rollout = {"rollout weights": own, "KV cache": _kv_bytes(config, model)}
     for phase in PHASES if not r.free_memory_while_training else ("generation",):
         parts[phase].update(rollout)
     return parts
+
+
+def shared_rollout_parameters(config: KetchConfig, model: nn.Module) -> int:
+    """The parameters a hybrid hf rollout reads in place from the actor's frozen ones (`Rollout.share_weights`):
+    with `actor.lora` on one process (FSDP, no tensor-parallel rollout), those outside the adapted linear layers but
+    the dense MLPs' gate and up projections (the static decoder computes with a fused copy of them); 0 otherwise.
+    `model`: the policy built on the meta device."""
+    a, r = config.actor, config.rollout
+    one = a.strategy == "fsdp" and config.num_processes(gpu_visible=True) == 1 and r.tensor_parallel_size == 1
+    if not (a.lora.enabled and one and r.name == "hf" and r.placement == "hybrid"):
+        return 0
+    targets = [a.lora.target_modules] if isinstance(a.lora.target_modules, str) else list(a.lora.target_modules)
+    output = model.get_output_embeddings()
+    adapted = {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not output
+        and (targets == ["all-linear"] or name.rpartition(".")[2] in targets)
+    }  # fmt: skip
+    fused = ("gate_proj.weight", "up_proj.weight")
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name.rpartition(".")[0] not in adapted and not name.endswith(fused)
+    )
 
 
 def lora_parameters(model: Any, rank: int) -> int:

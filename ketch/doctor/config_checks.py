@@ -18,7 +18,7 @@ from ketch.architecture import (
     static_decoding_problem,
 )
 from ketch.config import BatchError, KetchConfig, derive_batch_plan
-from ketch.config.memory import gpu_memory_parts
+from ketch.config.memory import gpu_memory_parts, shared_rollout_parameters
 from ketch.config.parallel import (
     megatron_roles,
     megatron_start_problems,
@@ -218,7 +218,8 @@ def memory_row(config: KetchConfig, model_config: Any, gpu_bytes: int | None) ->
     parameters = sum(p.numel() for p in model.parameters())
     padded = _training_forwards(config, model, gpu=True).startswith("padded")
     attention = _attention(config, model) if padded else None
-    phases = gpu_memory_parts(config, model_config, parameters, gpu_bytes or 0, attention)
+    shared = shared_rollout_parameters(config, model)
+    phases = gpu_memory_parts(config, model_config, parameters, gpu_bytes or 0, attention, shared)
     listed = [
         f"{phase} {sum(parts.values()) / GIB:.1f} GiB ("
         + ", ".join(f"{part} {size / GIB:.1f}" for part, size in parts.items())

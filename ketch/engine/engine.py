@@ -287,6 +287,21 @@ class TrainEngine:
         for name, tensor in merged(named, self.lora_layers):
             yield name.removeprefix(prefix), tensor
 
+    def frozen_whole_parameters(self, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The parameters that take no gradient, are of `dtype` and lie whole on this rank (a world of one), as
+        the tensors the engine keeps (no copy), by name relative to the submodule `prefix`, tied ones under each
+        name: a rollout on the same device may read them in place of weights of its own. A LoRA layer's base weight
+        is left out (the rollout gets it merged with the adapter, `full_parameters`)."""
+        out = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            local = param.to_local() if isinstance(param, DTensor) else param
+            adapted = ".base_layer." in name or ".lora_" in name
+            if param.requires_grad or adapted or local.dtype != dtype or local.shape != param.shape:
+                continue
+            if name.startswith(prefix):
+                out[name.removeprefix(prefix)] = local.detach()
+        return out
+
     def trained_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of each parameter that takes gradients (a model's LoRA adapters and a head trained
         with them), one `full_tensor()` each: every rank must draw them all."""

@@ -53,6 +53,19 @@ class Rollout(ABC):
                 drawn (the training engine frees each gathered unit): copy it then.
         """
 
+    def share_weights(self, named_tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Read some weights in place, from tensors the trainer keeps on this device and never changes (a LoRA
+        run's frozen base), instead of copies of their own.
+
+        Args:
+            named_tensors: HF parameter name -> tensor, of the rollout's dtype and device.
+
+        Returns:
+            The names taken: `update_weights` need not send them again. None here (a backend with weights of its
+            own elsewhere).
+        """
+        return set()
+
     @abstractmethod
     def weight_norm(self, name: str) -> float:
         """The norm of one parameter as the backend holds it (checks a weight hand-off).

@@ -66,6 +66,8 @@ class HFRollout(Rollout):
         if self.decoder is not None:
             self.decoder.routing = self.routing
         self.dropped: list[tuple[torch.UntypedStorage, int]] = []
+        self.shared: set[str] = set()
+        """The weights read in place from the trainer's tensors (`share_weights`)."""
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
@@ -202,7 +204,8 @@ class HFRollout(Rollout):
         so the parameters, their fused views and tied names keep their objects) and the KV caches."""
         if not self.config.free_memory_while_training or self.dropped:
             return
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in self.model.parameters()}
+        params = self.model.named_parameters()
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for n, p in params if n not in self.shared}
         self.dropped = [(storage, storage.nbytes()) for storage in storages.values()]
         for storage, _ in self.dropped:
             storage.resize_(0)
@@ -219,11 +222,42 @@ class HFRollout(Rollout):
         self.dropped = []
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, tensor in named_tensors:
+            if name in self.shared:
+                continue
             if name not in params:
                 raise KeyError(f"hf rollout: the policy sent weight {name!r}, which the rollout model does not have")
             params[name].copy_(self.tp.shard(name, tensor) if self.tp else tensor)
         if self.fp8 is not None:
             self.fp8.refresh()
+
+    @torch.no_grad()
+    def share_weights(self, named_tensors: dict[str, torch.Tensor]) -> set[str]:
+        """See `Rollout.share_weights`: a parameter named there reads the given tensor, and its own memory is freed,
+        where the two match in shape, dtype and device and the parameter holds its memory alone (not a view of
+        the static decoder's fused projections, which it computes with). Not with tensor parallelism (the rollout
+        holds shards). Tied names follow their parameter."""
+        if self.tp is not None:
+            return set()
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            tensor = named_tensors.get(name)
+            if tensor is None or not _same_kind(tensor, param):
+                continue
+            if param.data_ptr() != tensor.data_ptr() and _holds_its_memory_alone(param):
+                param.data = tensor
+            if param.data_ptr() == tensor.data_ptr():
+                self.shared.add(name)
+        if self.shared:
+            size = sum(p.numel() * p.element_size() for n, p in self.model.named_parameters() if n in self.shared)
+            logger.info("hf rollout: %d weights (%.2f GiB) read in place", len(self.shared), size / 2**30)
+        return self.shared
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device)
+
+
+def _holds_its_memory_alone(param: torch.Tensor) -> bool:
+    return param.untyped_storage().nbytes() == param.numel() * param.element_size()
 
 
 def rows_per_batch(max_num_batched_tokens: int | None, prompt_length: int, max_response_length: int) -> int | None:

@@ -5,7 +5,6 @@ its adapters turned off); after each update the actor's weights go to the rollou
 from __future__ import annotations
 
 import time
-from collections import deque
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -47,10 +46,10 @@ from ketch.workers.common import (
     token_budget,
     token_share,
 )
-from ketch.workers.weight_bridge import WeightBridge, specs_of
+from ketch.workers.weight_bridge import BridgeSender
 
 
-class ActorRolloutRefWorker(DeviceMemory, Worker):
+class ActorRolloutRefWorker(DeviceMemory, BridgeSender, Worker):
     """Generates, scores log-probs and trains the policy; `model_path` is a resolved HF directory or hub id."""
 
     def __init__(self, config: KetchConfig, model_path: str, plan: BatchPlan, total_updates: int):
@@ -108,6 +107,8 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
         if c.rollout.placement == "hybrid":
             seed = c.trainer.seed + self.rank
             self.rollout = rollout_engine(c, self.model_path, self.tokenizer, self.dtype, self.device, seed)
+            if c.actor.strategy != "megatron":  # a LoRA run's frozen base, read by the rollout in place
+                self.rollout.share_weights(self.actor.frozen_whole_parameters("lm.", self.dtype))
             self._sync_rollout()
 
     def _build_megatron_engines(self) -> None:
@@ -387,28 +388,7 @@ class ActorRolloutRefWorker(DeviceMemory, Worker):
             raise KeyError(f"the actor has no weight {name!r} to check")
         return norms[0]
 
-    # ----------------------------------------------------------------- a standalone rollout's weights
-    @register(ONE_TO_ALL)
-    def join_weight_bridge(self, host: str, port: int, rollout_processes: int) -> None:
-        """Rank 0 opens bridge rank 0 (of 1 + `rollout_processes`) at `host:port` and publishes the weights' specs;
-        every rank takes part in gathering them once."""
-        specs = specs_of(self._rollout_weights())
-        if self.rank == 0:
-            self.bridge = WeightBridge(host, port, 0, 1 + rollout_processes, self.device)
-            self.bridge.publish_specs(specs)
-
-    @register(ONE_TO_ALL)
-    def send_weights(self) -> float:
-        """Gather the full weights (every rank) and broadcast them to the standalone rollout (rank 0); returns the
-        seconds it took."""
-        start = time.perf_counter()
-        weights = self._rollout_weights()
-        if self.bridge is not None:
-            self.bridge.send(weights)
-        else:
-            deque(weights, maxlen=0)  # the other ranks' part of each gather
-        return time.perf_counter() - start
-
+    # ----------------------------------------------------------------- a standalone rollout's weights (BridgeSender)
     def _rollout_weights(self):
         return self.actor.full_parameters(prefix="lm.", dtype=self.dtype)
 
@@ -486,8 +466,10 @@ def check_weight_norms(rollout_norm: float, actor_norm: float, name: str) -> Non
 
 def as_next_token_batch(data: DataProto) -> DataProto:
     """SFT rows as the engine's response layout: every token after the first is a "response" token,
-    scored where `loss_mask` (and the attention mask) is 1; shapes `[batch, seq - 1]`."""
+    scored where `loss_mask` (and the attention mask) is 1; shapes `[batch, seq - 1]`. A vision-language model's
+    rows keep their images (`multi_modal_inputs`)."""
     b = data.batch
+    images = {k: v for k, v in data.non_tensor_batch.items() if k == "multi_modal_inputs"}
     return DataProto.from_dict(
         {
             "input_ids": b["input_ids"],
@@ -495,7 +477,8 @@ def as_next_token_batch(data: DataProto) -> DataProto:
             "position_ids": b["position_ids"],
             "responses": b["input_ids"][:, 1:],
             "response_mask": b["loss_mask"][:, 1:] * b["attention_mask"][:, 1:],
-        }
+        },
+        images,
     )
 
 

@@ -4,17 +4,22 @@ After each update the actor's rank 0 broadcasts the full weights over it, tensor
 the training engine yields them; the rollout processes receive them into fresh tensors and load them.
 
 The names, shapes and dtypes (`WeightSpec`) go once, through the bridge's key-value store, when it opens.
+`BridgeSender` is the actor worker's side.
 """
 
 from __future__ import annotations
 
 import pickle
+import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ketch.controller import ONE_TO_ALL, register
 
 SPECS_KEY = "ketch/weight_specs"
 TIMEOUT = timedelta(minutes=10)
@@ -80,3 +85,29 @@ def _root() -> dist.BroadcastOptions:
 def specs_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[WeightSpec]:
     """The specs of (name, tensor) pairs, in their order."""
     return [WeightSpec(name, tuple(t.shape), t.dtype) for name, t in named_tensors]
+
+
+class BridgeSender:
+    """The actor worker's calls that send its weights to a standalone rollout. The worker gives `rank`, `device`,
+    `bridge` (None until rank 0 joins) and `_rollout_weights()`: the (HF name, full tensor) pairs of a hand-off."""
+
+    @register(ONE_TO_ALL)
+    def join_weight_bridge(self, host: str, port: int, rollout_processes: int) -> None:
+        """Rank 0 opens bridge rank 0 (of 1 + `rollout_processes`) at `host:port` and publishes the weights' specs;
+        every rank takes part in gathering them once."""
+        specs = specs_of(self._rollout_weights())
+        if self.rank == 0:
+            self.bridge = WeightBridge(host, port, 0, 1 + rollout_processes, self.device)
+            self.bridge.publish_specs(specs)
+
+    @register(ONE_TO_ALL)
+    def send_weights(self) -> float:
+        """Gather the full weights (every rank) and broadcast them to the standalone rollout (rank 0); returns the
+        seconds it took."""
+        start = time.perf_counter()
+        weights = self._rollout_weights()
+        if self.bridge is not None:
+            self.bridge.send(weights)
+        else:
+            deque(weights, maxlen=0)  # the other ranks' part of each gather
+        return time.perf_counter() - start

@@ -169,6 +169,9 @@ class MultiTurnRollout(Rollout):
     def dropped_weights(self) -> bool:
         return self.backend.dropped_weights
 
+    def share_weights(self, named_tensors: dict[str, torch.Tensor]) -> set[str]:
+        return self.backend.share_weights(named_tensors)
+
     def weight_norm(self, name: str) -> float:
         return self.backend.weight_norm(name)
 
