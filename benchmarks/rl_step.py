@@ -5,7 +5,8 @@ critic, 16 prompts x 8 samples per step, prompts of 128 tokens, responses of exa
 (`ignore_eos`), one epoch, one mini-batch, AdamW lr 1e-6, update micro-batches of up to 49,152 tokens (one
 per GPU). `--variant ppo` runs the same with a critic, GAE and a KL penalty to a reference policy.
 `--scale small` is a scaled-down copy that runs on a CPU; `--scale 1.5b`, `3b` and `7b` are Qwen2.5's larger shapes
-(their random weights drawn in bf16 on the GPU), with update micro-batches sized for one H200.
+(their random weights drawn in bf16 on the GPU), with update micro-batches sized for one H200; `--scale 30b-a3b`
+is Qwen3-30B-A3B's mixture of experts (`--layers 24` halves it, for a disk that does not hold 61 GB).
 `--workload variable` lets responses stop: one token id in `stop_every` is a stop token (about one stop
 per `stop_every` sampled tokens on a random model: lengths spread geometrically, a long tail up to the limit, as a
 reasoning model's do) and the reward pays for stopping early; `stop_every` is `STOP_EVERY`, or a quarter of the
@@ -53,7 +54,7 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch.autograd import DeviceType
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -127,6 +128,22 @@ SCALES = {
         "max_tokens": 16384,
         "tied": False,
     },
+    "30b-a3b": {  # Qwen3-30B-A3B's shape (128 experts of width 768, 8 a token): LoRA and routing replay on one H200
+        **FIXED_WORKLOAD,
+        "vocab": 151936,
+        "hidden": 2048,
+        "intermediate": 6144,
+        "layers": 48,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "experts": 128,
+        "top_k": 8,
+        "expert_intermediate": 768,
+        "micro": 16,
+        "max_tokens": 16384,
+        "tied": False,
+    },
 }
 PEAK_BF16_FLOPS = {"cuda": 989e12}
 """Dense bf16 peak of an H200 (the figure TRL's 26.7% MFU on this workload refers to)."""
@@ -155,9 +172,8 @@ def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tupl
     under `root`; returns the model directory and the prompts' Parquet file."""
     tokenizer = word_tokenizer(s["vocab"])
     positions = max(4096, s["prompt_len"] + s["response_len"])
-    config = qwen2_config(
-        s, max_position_embeddings=positions, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1
-    )
+    make = qwen3_moe_config if "experts" in s else qwen2_config
+    config = make(s, max_position_embeddings=positions, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1)
     random_model(config, matmul_parameters(s), device).save_pretrained(root / "model")
     if device == "cuda":
         torch.cuda.empty_cache()  # the workers (or this process's engines) get the GPU memory back
@@ -179,6 +195,24 @@ def qwen2_config(s: dict, **extra) -> Qwen2Config:
         num_hidden_layers=s["layers"],
         num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"],
+        **extra,
+    )
+
+
+def qwen3_moe_config(s: dict, **extra) -> Qwen3MoeConfig:
+    """The Qwen3-MoE architecture of scale `s`: its widths and heads, `experts` of width `expert_intermediate`,
+    `top_k` a token, in every layer."""
+    return Qwen3MoeConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        num_experts=s["experts"],
+        num_experts_per_tok=s["top_k"],
+        moe_intermediate_size=s["expert_intermediate"],
         **extra,
     )
 
@@ -263,7 +297,12 @@ def stop_every(response_len: int) -> int:
 def run(args) -> dict:
     s = SCALES[args.scale] | {
         key: value
-        for key, value in (("prompts", args.prompts), ("n", args.n), ("response_len", args.response_length))
+        for key, value in (
+            ("prompts", args.prompts),
+            ("n", args.n),
+            ("response_len", args.response_length),
+            ("layers", args.layers),
+        )
         if value
     }
     root = Path(tempfile.mkdtemp(prefix="ketch-rl-step-"))
@@ -499,10 +538,15 @@ def _median_rate(amounts: list[float], records: list[dict], stage: str) -> float
 
 
 def matmul_parameters(s: dict) -> int:
-    """Parameters of scale `s` that take part in a matmul: the layers and one vocabulary projection (an untied
-    input embedding is a lookup, so `6 x parameters x tokens` counts the FLOPs either way)."""
-    attention = s["hidden"] * (s["hidden"] + 2 * s["hidden"] // s["heads"] * s["kv_heads"]) + s["hidden"] ** 2
-    mlp = 3 * s["hidden"] * s["intermediate"]
+    """Parameters of scale `s` that take part in a token's matmuls: the layers (of a mixture of experts, the router
+    and the `top_k` experts a token runs through) and one vocabulary projection (an untied input embedding is a
+    lookup, so `6 x parameters x tokens` counts the FLOPs either way)."""
+    head_dim = s.get("head_dim", s["hidden"] // s["heads"])
+    attention = 2 * s["hidden"] * head_dim * (s["heads"] + s["kv_heads"])
+    if "experts" in s:
+        mlp = s["hidden"] * (s["experts"] + 3 * s["top_k"] * s["expert_intermediate"])
+    else:
+        mlp = 3 * s["hidden"] * s["intermediate"]
     return s["layers"] * (attention + mlp) + s["vocab"] * s["hidden"]
 
 
@@ -519,6 +563,7 @@ def main() -> None:
         "--prompts", type=int, help="prompts per step (and per mini-batch), e.g. 32 on two GPUs for weak scaling"
     )
     parser.add_argument("--n", type=int, help="samples per prompt (default: the scale's, 8)")
+    parser.add_argument("--layers", type=int, help="this many decoder layers instead of the scale's own")
     parser.add_argument("--response-length", type=int, help="tokens per response (the limit with --workload variable)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")

@@ -3,8 +3,10 @@
 # (FP8 matmuls; the MoE families' matrix rows), then `decode_step.py` of the Qwen2.5-7B shape in bf16 against FP8
 # (whole generations of 4 and 64 rows, one captured step of 4 rows at 8k of context), then Qwen3-30B-A3B's shape
 # (LAYERS of its 48 layers) with fixed-shape experts in CUDA graphs against transformers' experts without graphs.
+# Stage a3b: a GRPO step of that shape (LAYERS layers: the machine's 64 GB disk does not hold all 48 in bf16) with
+# LoRA on the attention projections and routing replay (R3), the rollout reading the frozen experts in place.
 # Each stage has its own time limit and writes its JSON to $OUT as it ends; STAGES picks some of them:
-#   PYTHONPATH=. STAGES="tests fp8 moe" LAYERS=24 bash benchmarks/device/fp8_moe.sh
+#   PYTHONPATH=. STAGES="tests fp8 moe a3b" LAYERS=24 bash benchmarks/device/fp8_moe.sh
 set -u
 mkdir -p "$OUT/logs"
 STAGES=${STAGES:-tests fp8 moe}
@@ -25,4 +27,9 @@ if [[ $STAGES == *moe* ]]; then
         stage "moe$flag" 240 python3 benchmarks/decode_step.py --model qwen3-30b-a3b --layers "$LAYERS" --rows 4 64 \
             --steps 2 $flag --out "$OUT/decode_30b_a3b${flag/--/_}.json"
     done
+fi
+if [[ $STAGES == *a3b* ]]; then
+    stage a3b_lora_r3 540 python3 benchmarks/rl_step.py --scale 30b-a3b --layers "$LAYERS" --lora-rank 32 --warmup 1 \
+        --steps 3 --out "$OUT/grpo_30b_a3b_lora_r3.json" --set "actor.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]" \
+        actor.router_replay=rollout model.gradient_checkpointing=true
 fi
