@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from functools import partial
 
 import pytest
@@ -53,6 +55,25 @@ def test_responses_end_at_the_first_stop_token(tiny_config, decoding):
         assert (row[length:] == 0).all(), "tokens after the stop are padding"
     assert stopped > 0
     assert out["input_ids"].shape[-1] == out["prompts"].shape[-1] + 12
+
+
+@pytest.mark.parametrize("decoding", ["generate", "static"])
+def test_ignore_eos_decodes_every_response_to_the_limit_past_its_stop_tokens(
+    tiny_config, tiny_model_dir, tmp_path, decoding
+):
+    # the model's generation config names '#' (8), common in any output, an EOS: with rollout.ignore_eos it stops
+    # nothing (transformers fills a generation's unset eos_token_id from that file)
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 8]}))
+    config = tiny_config(
+        f"model.path={model_dir}", "data.max_response_length=12", "rollout.ignore_eos=true",
+        f"rollout.hf_decoding={decoding}",
+    )  # fmt: skip
+    out = actor_group(config).generate_sequences(prompts(config, rows=16)).batch
+    assert out["response_mask"].sum(-1).tolist() == [12] * 16
+    stops = torch.isin(out["responses"][:, :-1], torch.tensor([1, 8]))
+    tails = [row[int(at.nonzero()[0]) + 1 :] for row, at in zip(out["responses"], stops, strict=True) if at.any()]
+    assert tails and not any((tail == 0).all() for tail in tails)  # decoding went on: no padding after a stop
 
 
 @pytest.mark.parametrize("decoding", ["generate", "static"])

@@ -171,7 +171,7 @@ class HFRollout(Rollout):
             stop_strings=stop or None,
             do_sample=do_sample,
             **(sampling if do_sample else {}),
-            eos_token_id=None if self.config.ignore_eos else self.stop_token_ids,
+            eos_token_id=[] if self.config.ignore_eos else self.stop_token_ids,  # None: the model's own EOS
             pad_token_id=self.pad_token_id,
             suppress_tokens=self.never_sampled or None,
             return_dict_in_generate=True,
