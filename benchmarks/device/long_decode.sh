@@ -3,7 +3,9 @@
 # 0.5B shape with responses up to each length given (default 32768; 16 prompts x 4 samples, the variable workload,
 # one warm-up step, one timed), the same at the first length with partial rollouts (5 timed steps), decode attention
 # against the memory floor with a captured step at 32k of context, then the fixed workload. Each stage has its own
-# time limit and writes its JSON to $OUT as it ends; STAGES picks some of them. From the repository root:
+# time limit and writes its JSON to $OUT as it ends; STAGES picks some of them, PARTIAL adds settings to the partial
+# stage (e.g. "rollout.partial.over_sample=2 rollout.partial.max_staleness=3": rounds of a quarter of the length).
+# From the repository root:
 #   PYTHONPATH=. STAGES="tests grpo partial floor fixed" bash benchmarks/device/long_decode.sh 32768 16384
 set -u
 mkdir -p "$OUT/logs"
@@ -24,7 +26,7 @@ if [[ $STAGES == *partial* ]]; then
     length=${1:-32768}
     stage "partial_$length" 330 python3 benchmarks/rl_step.py --variant grpo --prompts 16 --n 4 --workload variable \
         --response-length "$length" --warmup 1 --steps 5 --set model.gradient_checkpointing=true \
-        rollout.partial.enable=true actor.rollout_is=token --out "$OUT/ketch_grpo_0.5b_partial$length.json"
+        rollout.partial.enable=true actor.rollout_is=token ${PARTIAL:-} --out "$OUT/ketch_grpo_0.5b_partial$length.json"
 fi
 if [[ $STAGES == *floor* ]]; then
     stage floor 150 python3 benchmarks/decode_step.py --rows 1 4 --skip-generation --floor --long-step 32768 \
