@@ -20,7 +20,7 @@ CASES = textwrap.dedent(
     from ketch.rollout.decode_kernel import decode_attention
     from ketch.rollout.kv_pages import as_pages
 
-    def case(rows, head_dim, splits, window):
+    def case(rows, head_dim, splits, window, fp8=False):
         g = torch.Generator().manual_seed(rows)
         kv_heads, group, length, slot = 2, 7, 300, 260
         q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
@@ -34,6 +34,9 @@ CASES = textwrap.dedent(
         k[:, :, slot + 1 :] = float("nan")
         v[:, :, slot + 1 :] = float("nan")
         (k_pool, table), (v_pool, _) = as_pages(k), as_pages(v)  # 3 pages of 128 slots a row, in reverse order
+        if fp8:  # an FP8 cache: the kernel computes in the queries' dtype on the rounded keys and values
+            k_pool, v_pool = k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn)
+            k, v = (t.to(torch.float8_e4m3fn).float() for t in (k, v))
         if rows > 1:
             table[1] = 0  # a row that holds no page (finished) reads nothing
         out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3, splits=splits)
@@ -89,6 +92,13 @@ SPLIT_CASES = [
     (4, 16, 3, 100),  # a sliding window: slots 161..260 only, across the second and third chunks
     (8, 16, 2, 40),
 ]
+
+
+def test_an_fp8_cache_is_read_as_its_rounded_keys_and_values():
+    """Pools in float8 e4m3 (`rollout.kv_cache_dtype=fp8`), in one chunk and split: SDPA over the same rounded keys
+    and values in float32, to 1e-5."""
+    for result in run_cases([(4, 16, 1, 0, True), (4, 16, 3, 0, True)]):
+        assert result["finite"] and result["max_diff"] < 1e-5, result
 
 
 def test_split_kv_attention_equals_attention_over_the_whole_cache():

@@ -1,7 +1,7 @@
 """FP8 rollout weights (`ketch.rollout.fp8`, `rollout.quantization=fp8`) on the CPU: the round trip within e4m3's
 rounding, the scales' layouts, the swap covers every projection the static decoder runs and leaves the bf16 weights
 alone, a decode through the float32 reference of the FP8 matmul stays close to the unquantized one, and the
-start-up errors."""
+start-up errors; an FP8 KV cache (`rollout.kv_cache_dtype=fp8`) likewise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ketch.config import ConfigError, load_config
-from ketch.config.parallel import fp8_rollout_problem
+from ketch.config.memory import gpu_memory_parts
+from ketch.config.parallel import fp8_cache_problem, fp8_rollout_problem
+from ketch.models import load_model_config
 from ketch.rollout.fp8 import FP8, FP8Linear, FP8Projections, dequantize, quantize_blocks, quantize_per_channel
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
@@ -155,3 +157,45 @@ def test_fp8_needs_actor_rollout_is_and_a_gpu_with_fp8_matmuls(tiny_model_dir, m
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
     assert fp8_rollout_problem(on_gpu, gpu_visible=True) is None
     assert fp8_rollout_problem(load_config(overrides=[f"model.path={tiny_model_dir}"]), gpu_visible=False) is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_an_fp8_kv_cache_decodes_close_to_the_full_precision_cache(kind):
+    """`rollout.kv_cache_dtype=fp8`: the static decoder's pools are float8 e4m3; greedy decoding of 3 prompts x 12
+    tokens in float32 gives the same tokens, the first token's log-prob equal (the prompt attends among its own
+    tokens unrounded) and the later ones within 0.02 nats (measured: at most 0.003)."""
+    prompts = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 7)
+    out = {}
+    for dtype in (None, torch.float8_e4m3fn):
+        decoder = StaticDecoder(tiny(kind, torch.float32), compile_step=False, kv_dtype=dtype)
+        out[dtype] = decoder.generate(prompts, mask, 12, Sampling(do_sample=False), [63], pad_token_id=0)
+        assert {pool.dtype for pair in next(iter(decoder.caches.values())).pages.pools for pool in pair} == {
+            dtype or torch.float32
+        }
+    fp8, full = out[torch.float8_e4m3fn], out[None]
+    assert torch.equal(fp8[0], full[0])
+    assert torch.equal(fp8[1][:, 0], full[1][:, 0])
+    difference = (fp8[1] - full[1]).abs().max()
+    assert 0 < difference < 0.02, difference
+
+
+def test_an_fp8_kv_cache_needs_rollout_is_and_the_static_decoder_and_halves_the_estimate(tiny_model_dir):
+    base = [f"model.path={tiny_model_dir}", "rollout.kv_cache_dtype=fp8"]
+    with pytest.raises(ConfigError, match=r"rollout\.kv_cache_dtype=fp8 samples with FP8-rounded keys and values"):
+        load_config(overrides=base)
+    with pytest.raises(ConfigError, match=r"set rollout\.hf_decoding=static \(or auto, on GPUs\)"):
+        load_config(overrides=[*base, "actor.rollout_is=token", "rollout.hf_decoding=generate"])
+    on_cpu = load_config(overrides=[*base, "actor.rollout_is=token", "trainer.device=cpu"])
+    assert "decodes with generate on the CPU" in fp8_cache_problem(on_cpu, gpu_visible=False)
+    static = load_config(
+        overrides=[*base, "actor.rollout_is=token", "trainer.device=cpu", "rollout.hf_decoding=static"]
+    )
+    assert fp8_cache_problem(static, gpu_visible=False) is None
+    vllm = load_config(overrides=[*base, "actor.rollout_is=token", "rollout.name=vllm"])
+    assert fp8_cache_problem(vllm, gpu_visible=False) is None
+    on_gpu = load_config(overrides=[*base, "actor.rollout_is=token", "trainer.device=cuda", "model.dtype=bfloat16"])
+    bf16 = load_config(overrides=[f"model.path={tiny_model_dir}", "trainer.device=cuda", "model.dtype=bfloat16"])
+    model = load_model_config(str(tiny_model_dir))
+    kv = [gpu_memory_parts(c, model, 10**6, 2**30)["generation"]["KV cache"] for c in (bf16, on_gpu)]
+    assert kv[0] == 2 * kv[1] > 0

@@ -391,11 +391,19 @@ def _rollout_is(c: KetchConfig) -> str | None:
 
 
 def _quantization(c: KetchConfig) -> str | None:
-    if c.rollout.quantization == "fp8" and c.actor.rollout_is is None:
+    r = c.rollout
+    rounded = {"rollout.quantization=fp8": "weights", "rollout.kv_cache_dtype=fp8": "keys and values"}
+    asked = [key for key, on in zip(rounded, (r.quantization == "fp8", r.kv_cache_dtype == "fp8"), strict=True) if on]
+    if asked and c.actor.rollout_is is None:
         return (
-            "rollout.quantization=fp8 samples from FP8-rounded weights, whose log-probs differ from the trained "
+            f"{asked[0]} samples with FP8-rounded {rounded[asked[0]]}, whose log-probs differ from the trained "
             "model's; truncated importance sampling against the rollout's log-probs corrects it: set "
             "actor.rollout_is=token"
+        )
+    if r.kv_cache_dtype == "fp8" and r.name == "hf" and r.hf_decoding == "generate":
+        return (
+            "rollout.kv_cache_dtype=fp8 is the static decoder's cache, and rollout.hf_decoding=generate decodes with "
+            "transformers' own: set rollout.hf_decoding=static (or auto, on GPUs) or rollout.kv_cache_dtype=auto"
         )
     return None
 

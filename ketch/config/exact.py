@@ -29,6 +29,7 @@ def exact_log_probs_problem(config: KetchConfig) -> str | None:
         "rollout.tensor_parallel_size > 1": (r.tensor_parallel_size > 1, "the shards' partial matmuls are summed"),
         "rollout.hf_decoding=static": (r.hf_decoding == "static", "the static decoder fuses its own projections"),
         "rollout.quantization=fp8": (r.quantization == "fp8", "the rollout decodes other weights"),
+        "rollout.kv_cache_dtype=fp8": (r.kv_cache_dtype == "fp8", "the rollout attends to rounded keys and values"),
         "rollout.multi_turn.enable=true": (r.multi_turn.enable, "the turn loop is not covered"),
         "rollout.placement=standalone": (r.placement == "standalone", "the rollout runs in other processes"),
         "model.use_remove_padding=true": (c.model.use_remove_padding is True, "packed forwards are not covered"),

@@ -168,7 +168,8 @@ def _kv_bytes(config: KetchConfig, model: Any) -> int:
     """The hf rollout's KV cache on one GPU at most: its tensor-parallel group's share of the step's sequences (at
     most the rows that rollout.max_num_batched_tokens holds), each of up to data.max_prompt_length +
     data.max_response_length tokens, keys and values in every layer. The static decoder's paged cache holds less
-    where responses end early (`ketch/rollout/kv_pages.py`); this is its size when every response runs to the limit."""
+    where responses end early (`ketch/rollout/kv_pages.py`); this is its size when every response runs to the limit.
+    An FP8 cache (`rollout.kv_cache_dtype=fp8`) takes a byte a number."""
     r, sequence = config.rollout, _sequence_length(config)
     groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
     rows = -(-config.data.train_batch_size * r.n // groups)
@@ -176,7 +177,7 @@ def _kv_bytes(config: KetchConfig, model: Any) -> int:
         rows = min(rows, max(1, r.max_num_batched_tokens // sequence))
     shape = attention_shape(model)
     per_token = model.num_hidden_layers * 2 * max(1, shape.kv_heads // r.tensor_parallel_size) * shape.head_dim
-    return rows * sequence * per_token * _frozen_bytes(config)
+    return rows * sequence * per_token * (1 if r.kv_cache_dtype == "fp8" else _frozen_bytes(config))
 
 
 def _frozen_bytes(config: KetchConfig) -> int:

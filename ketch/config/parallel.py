@@ -91,8 +91,9 @@ def rollout_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
     """What `check_rollout_start` raises, one line a problem."""
     r = config.rollout
     problems = tensor_parallel_problems(r.tensor_parallel_size, model_config) if r.name == "hf" else []
-    if problem := fp8_rollout_problem(config, torch.cuda.is_available()):
-        problems.append(problem)
+    for check in (fp8_rollout_problem, fp8_cache_problem):
+        if problem := check(config, torch.cuda.is_available()):
+            problems.append(problem)
     if config.actor.router_replay != "off" and router(model_config) is None:
         problems.append(
             f"actor.router_replay={config.actor.router_replay} replays a mixture of experts' routing, and "
@@ -126,6 +127,18 @@ def vision_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
         for fix, asked in unsupported.items()
         if asked
     ]
+
+
+def fp8_cache_problem(config: KetchConfig, gpu_visible: bool) -> str | None:
+    """Why `rollout.kv_cache_dtype=fp8` has no cache to round here: an hf rollout that decodes with `generate`
+    (`rollout.hf_decoding=auto` on the CPU), whose cache is transformers' own."""
+    r = config.rollout
+    if r.kv_cache_dtype != "fp8" or r.name != "hf" or r.hf_decoding != "auto" or config.uses_gpu(gpu_visible):
+        return None
+    return (
+        "rollout.kv_cache_dtype=fp8 is the static decoder's cache, and rollout.hf_decoding=auto decodes with "
+        "generate on the CPU: set rollout.hf_decoding=static or rollout.kv_cache_dtype=auto"
+    )
 
 
 def fp8_rollout_problem(config: KetchConfig, gpu_visible: bool) -> str | None:

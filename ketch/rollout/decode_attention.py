@@ -51,7 +51,7 @@ def _decode_attention_fake(query, key, value, table, filled, slot, scale):
 
 def _sdpa(query, key, value, table, filled, scale) -> torch.Tensor:
     length = filled.shape[1]
-    keys, values = gather(key, table, length), gather(value, table, length)
+    keys, values = (gather(pool, table, length).to(query.dtype) for pool in (key, value))  # an FP8 cache's too
     mask = filled[:, None, None, :]
     return nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale).contiguous()
 

@@ -181,6 +181,7 @@ def _decode_attention(
         page = tl.load(table_ptr + row * table_row + start // PAGE)
         within = (start % PAGE + n)[:, None]
         k = tl.load(k_ptr + page * k_page + head * k_head + within * k_slot + d[None, :], mask=kv_mask, other=0.0)
+        k = k.to(q.dtype)  # an FP8 cache (rollout.kv_cache_dtype) computes in the queries' dtype
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         scores = tl.where(seen[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
@@ -188,6 +189,7 @@ def _decode_attention(
         weights = tl.exp(scores - shift[:, None])
         rescale = tl.exp(top - shift)
         v = tl.load(v_ptr + page * v_page + head * v_head + within * v_slot + d[None, :], mask=kv_mask, other=0.0)
+        v = v.to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         total = total * rescale + tl.sum(weights, 1)
         top = new_top

@@ -52,14 +52,18 @@ class HFRollout(Rollout):
             config.rollout.hf_decoding == "auto" and device.type == "cuda" and not config.rollout.exact_log_probs
         )
         if static and (problem := static_decoding_problem(self.model)):
+            if config.rollout.kv_cache_dtype == "fp8":
+                raise ValueError(
+                    f"rollout.kv_cache_dtype=fp8 is the static decoder's cache, and {type(self.model).__name__} "
+                    f"decodes with generate ({problem}): set rollout.kv_cache_dtype=auto"
+                )
             logger.info("%s decodes with generate, not the static decoder: %s", type(self.model).__name__, problem)
             static = False
         compiled = device.type == "cuda"
         longest = config.data.max_prompt_length
-        never = self.never_sampled
-        self.decoder = (
-            StaticDecoder(self.model, compiled, longest_prompt=longest, never_sampled=never) if static else None
-        )
+        settings = {"longest_prompt": longest, "never_sampled": self.never_sampled}
+        settings["kv_dtype"] = torch.float8_e4m3fn if config.rollout.kv_cache_dtype == "fp8" else None
+        self.decoder = StaticDecoder(self.model, compiled, **settings) if static else None
         fp8 = config.rollout.quantization == "fp8"
         self.fp8 = FP8Projections(decoder_blocks(self.model)) if fp8 else None
         self.routing = ExpertRouting(self.model).attach() if config.actor.router_replay != "off" else None

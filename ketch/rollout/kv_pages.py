@@ -23,6 +23,9 @@ PAGE = 128
 """Cache slots per page (a multiple of the decode kernel's blocks of slots)."""
 POOL_SLOTS_PER_ROW = 4096
 """Slots per row that a new pool holds before it grows: a batch of responses up to this long never grows it."""
+FP8_MAX = 448.0
+"""The largest float8 e4m3 value: an FP8 cache (`rollout.kv_cache_dtype=fp8`) holds keys and values clamped to it,
+with no scale (as vLLM's default scale of 1)."""
 
 
 class KVPages:
@@ -31,14 +34,22 @@ class KVPages:
     first entries), the free pages, and `most_held`, the most pages the rows have held at once."""
 
     def __init__(
-        self, attentions: list[nn.Module], shape: AttentionShape, rows: int, length: int, device: torch.device
+        self,
+        attentions: list[nn.Module],
+        shape: AttentionShape,
+        rows: int,
+        length: int,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
     ):
+        """Pools for `rows` rows of `length` slots of each of `attentions`' layers, in `dtype` (default: the
+        layers' weights'; `torch.float8_e4m3fn` halves a bf16 cache, `write` rounds into it)."""
         self.per_row = -(-length // PAGE)
         self.table = torch.zeros(rows, self.per_row, dtype=torch.long, device=device)
         self.host = torch.zeros(rows, self.per_row, dtype=torch.long)
         self.held = torch.zeros(rows, dtype=torch.long)
         pages = 1 + rows * min(self.per_row, POOL_SLOTS_PER_ROW // PAGE)
-        dtype = next(attentions[0].parameters()).dtype
+        dtype = dtype or next(attentions[0].parameters()).dtype
         size = (pages, shape.kv_heads, PAGE, shape.head_dim)
         self.pools = [tuple(torch.zeros(size, dtype=dtype, device=device) for _ in range(2)) for _ in attentions]
         self.free = list(range(pages - 1, 0, -1))
@@ -98,8 +109,11 @@ class KVPages:
 
 def write(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
     """Write `new` `[rows, kv_heads, n, head_dim]` into cache slots `slots` `[n]` of each row's pages in `pool`
-    `[pages, kv_heads, PAGE, head_dim]` under `table` `[rows, length / PAGE]`."""
+    `[pages, kv_heads, PAGE, head_dim]` under `table` `[rows, length / PAGE]`; into an FP8 pool rounded, clamped to
+    its largest value (beyond it a float8 e4m3 cast gives NaN)."""
     page = pool.shape[2]
+    if pool.dtype == torch.float8_e4m3fn:
+        new = new.clamp(-FP8_MAX, FP8_MAX).to(pool.dtype)
     pool[table[:, slots // page], :, slots % page] = new.transpose(1, 2)
 
 

@@ -89,14 +89,20 @@ class DecodeBuffers:
     more per token)."""
 
     def __init__(
-        self, attentions: list[nn.Module], shape: AttentionShape, rows: int, length: int, device: torch.device
+        self,
+        attentions: list[nn.Module],
+        shape: AttentionShape,
+        rows: int,
+        length: int,
+        device: torch.device,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.mask4d = self.mask[:, None, None, :]
-        self.pages = KVPages(attentions, shape, rows, length, device)
+        self.pages = KVPages(attentions, shape, rows, length, device, kv_dtype)
         self.table = self.pages.table
         self.responses = torch.zeros(rows, length, dtype=torch.long, device=device)
         self.log_probs = torch.zeros(rows, length, device=device)
@@ -185,6 +191,7 @@ class StaticDecoder:
         longest_prompt: int = 0,
         compact_remaining: int = COMPACT_REMAINING,
         never_sampled: list[int] | None = None,
+        kv_dtype: torch.dtype | None = None,
     ):
         """`compile_step` compiles each transformer block (one graph shared by all, `backend` is torch.compile's)
         and on CUDA captures the decode step into a CUDA graph per shape; `buckets` (default: when compiling)
@@ -192,10 +199,12 @@ class StaticDecoder:
         of `longest_prompt` tokens or more, and compacts a batch whose unfinished rows fit in half its rows with at
         least `compact_remaining` tokens to go (`COMPACT_REMAINING`). Tokens `never_sampled` (a vision-language
         model's image placeholders) are never sampled, and the log-probs stay those of the model's whole
-        distribution, as `generate`'s with `suppress_tokens`."""
+        distribution, as `generate`'s with `suppress_tokens`. `kv_dtype` is the KV cache's (default: the model's;
+        `torch.float8_e4m3fn` for `rollout.kv_cache_dtype=fp8`)."""
         self.model = model
         device = next(model.parameters()).device
         self.never_sampled = torch.tensor(never_sampled, device=device) if never_sampled else None
+        self.kv_dtype = kv_dtype
         self.compact_remaining = compact_remaining
         self.buckets = compile_step if buckets is None else buckets
         self.longest_prompt = -(-longest_prompt // PROMPT_BUCKET) * PROMPT_BUCKET if self.buckets else 0
@@ -298,7 +307,7 @@ class StaticDecoder:
                     ", then capturing the whole step in a CUDA graph" if self.capture and device.type == "cuda" else "",
                     self.compile_cache,
                 )
-            self.caches[key] = DecodeBuffers(self.attentions, self.shape, batch, length, device)
+            self.caches[key] = DecodeBuffers(self.attentions, self.shape, batch, length, device, self.kv_dtype)
         buffers = self.caches[key]
         buffers.use()
         weights = [p.data_ptr() for p in self.model.parameters()]

@@ -54,6 +54,7 @@ class VLLMRollout(Rollout):
             "trust_remote_code": config.model.trust_remote_code,
             "enable_sleep_mode": self.sleeps,
         } | ({"quantization": "fp8"} if r.quantization == "fp8" else {})
+        settings |= {"kv_cache_dtype": "fp8"} if r.kv_cache_dtype == "fp8" else {}
         tokenizer_path = config.model.tokenizer_path or model_path
         self.engine = adapter.create_engine(model_path, tokenizer_path, settings)
         if not self.sleeps:

@@ -107,6 +107,11 @@ class RolloutConfig:
     GPUs with FP8 matmuls (compute capability 8.9 or newer); the trained weights stay bf16. The rollout's log-probs
     then differ from the trained model's: set actor.rollout_is=token to correct for it. vLLM: its own
     quantization="fp8"."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """fp8: the KV cache in float8 e4m3 (half of a bf16 cache: twice the rows or the context in the same memory, half
+    the bytes a long decode step reads), keys and values clamped to +-448 with no scale; the prompt attends among its
+    own tokens unrounded. hf rollout: the static decoder's cache; vLLM: its own kv_cache_dtype="fp8". The rollout's
+    log-probs then differ from the trained model's: set actor.rollout_is=token to correct for it."""
     exact_log_probs: bool = False
     """hf rollout: the rollout and the actor compute batch-invariantly (`ketch.models.batch_invariant`: matmuls in
     blocks of 16 rows, attention over keys in blocks of 64 in one order, one log-softmax per row), so the rollout's
