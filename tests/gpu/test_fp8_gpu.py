@@ -63,8 +63,10 @@ def test_a_captured_decode_with_an_fp8_kv_cache_follows_the_bf16_cache(tiny_qwen
     model = tiny_qwen2.bfloat16()
     prompts = torch.randint(1, 512, (4, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     mask, greedy = torch.ones_like(prompts), Sampling(do_sample=False)
-    _, bf16 = StaticDecoder(model, compile_step=True).generate(prompts, mask, 16, greedy, None, pad_token_id=0)
-    decoder = StaticDecoder(model, compile_step=True, kv_dtype=torch.float8_e4m3fn)
+    decoder = StaticDecoder(model, compile_step=True)
+    _, bf16 = decoder.generate(prompts, mask, 16, greedy, None, pad_token_id=0)
+    decoder.release()  # the next shape's cache is allocated in FP8
+    decoder.kv_dtype = torch.float8_e4m3fn
     _, fp8 = decoder.generate(prompts, mask, 16, greedy, None, pad_token_id=0)
     assert next(iter(decoder.caches.values())).pages.pools[0][0].dtype == torch.float8_e4m3fn
     assert torch.equal(fp8[:, 0], bf16[:, 0]) and 0 < (fp8 - bf16).abs().max() < 0.1
