@@ -13,6 +13,7 @@ from ketch.config.sections.algorithm import AlgorithmConfig, FilterGroupsConfig,
 from ketch.config.sections.model import (
     BUILTIN_CALCULATOR_MODEL,
     BUILTIN_CALLER_MODEL,
+    BUILTIN_DOTS_MODEL,
     BUILTIN_MODEL,
     BUILTIN_PREFERENCE_TASK,
     BUILTIN_TASK,
@@ -30,6 +31,7 @@ from ketch.config.sections.trainer import TrainerConfig
 __all__ = [
     "BUILTIN_CALCULATOR_MODEL",
     "BUILTIN_CALLER_MODEL",
+    "BUILTIN_DOTS_MODEL",
     "BUILTIN_MODEL",
     "BUILTIN_PREFERENCE_TASK",
     "BUILTIN_RUN_DEFAULTS",

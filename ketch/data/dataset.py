@@ -17,7 +17,7 @@ from ketch.config.schema import DataConfig
 from ketch.data.batching import PackedSequences, encode, pad, pad_token_id, position_ids
 from ketch.data.builtin.files import resolve_data_files
 from ketch.data.errors import DatasetError
-from ketch.data.images import IMAGE_MARKER, check_image_count, row_images
+from ketch.data.images import check_untruncated, image_tensors, process_prompt, prompt_images
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
 from ketch.protocol import object_array
@@ -31,9 +31,6 @@ _RESERVED_COLUMNS = (
     "source_row",
     "multi_modal_inputs",
 )
-
-_IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
-"""The processor's outputs that describe a row's images (the others are per token, found again from its ids)."""
 
 DEFAULT_DATA_SOURCE = "unknown"
 """The data source of a row whose file has no `data_source` column (or an empty cell)."""
@@ -68,49 +65,25 @@ class RLHFDataset(Dataset):
         _check_reserved(self.rows, config.prompt_key)
         row_ids = first_rows(self.rows, config)
         texts = prompt_texts(self.rows, row_ids, tokenizer, config)
-        self.images = self._images(row_ids, texts)
+        self.images = prompt_images(self.rows, row_ids, texts, config.image_key, processor is not None)
         ids = encode(tokenizer, texts) if processor is None else self._vision_ids(row_ids, texts)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         limit = config.max_prompt_length
         keep = within_limit(lengths, limit, "data.max_prompt_length", config, self.rows, row_ids, "prompt")
         if processor is not None:
-            _check_untruncated(keep & (lengths > limit), self.images, self.rows, row_ids, limit)
+            over = keep & (lengths > limit)
+            check_untruncated(over, self.images, self.rows, row_ids, f"data.max_prompt_length={limit}")
         self.num_filtered = int((~keep).sum())
         self.texts = [texts[k] for k in np.flatnonzero(keep)]
         self.row_ids = row_ids[keep]
         self.input_ids = PackedSequences([_truncate(ids[k], limit, config.truncation) for k in np.flatnonzero(keep)])
 
-    def _images(self, row_ids: np.ndarray, texts: list[str]) -> dict[int, list]:
-        """The images of each row that has some (by row number), checked against its prompt's placeholders."""
-        column = self.rows.columns.get(self.config.image_key)
-        if column is None:
-            return {}
-        images = {}
-        for row, text in zip(row_ids, texts, strict=True):
-            where = f"{self.rows.locate(row)}, column {self.config.image_key!r}"
-            try:
-                images[int(row)] = row_images(column[row])
-                if images[int(row)] and self.processor is None:
-                    raise ValueError(
-                        "the row has images but the model is text-only; train a vision-language model (model.path) "
-                        "or set data.image_key to a column without images"
-                    )
-                check_image_count(text, images[int(row)])
-            except ValueError as err:
-                raise DatasetError(f"{where}: {err}") from None
-        return images
-
     def _vision_ids(self, row_ids: np.ndarray, texts: list[str]) -> list[list[int]]:
         """Each prompt's token ids with its images' vision tokens (the processor's expansion)."""
         return [
-            self._process(int(row), text)["input_ids"][0].tolist() for row, text in zip(row_ids, texts, strict=True)
+            process_prompt(self.processor, text, self.images.get(int(row)))["input_ids"][0].tolist()
+            for row, text in zip(row_ids, texts, strict=True)
         ]
-
-    def _process(self, row: int, text: str) -> dict[str, Any]:
-        """The processor's outputs `[1, prompt_len]` (and image tensors) for row `row` with prompt text `text`."""
-        images = self.images.get(row) or None
-        text = text.replace(IMAGE_MARKER, self.processor.image_placeholder)
-        return self.processor(text=[text], images=images, return_tensors="pt")
 
     @staticmethod
     def required_columns(config: DataConfig) -> dict[str, str]:
@@ -129,8 +102,8 @@ class RLHFDataset(Dataset):
         if self.processor is not None:
             cells.pop(self.config.image_key, None)
             item["images"] = self.images.get(row, [])
-            processed = self._process(row, self.texts[i]) if item["images"] else {}
-            item["multi_modal_inputs"] = {k: v for k, v in processed.items() if k in _IMAGE_INPUTS}
+            processed = process_prompt(self.processor, self.texts[i], item["images"]) if item["images"] else {}
+            item["multi_modal_inputs"] = image_tensors(processed)
         item["raw_prompt"] = cells.pop(self.config.prompt_key)
         item["data_source"] = _default(cells.pop("data_source", None), DEFAULT_DATA_SOURCE)
         item["ground_truth"] = _ground_truth(cells)
@@ -176,20 +149,6 @@ def _ground_truth(cells: dict[str, Any]) -> Any:
     if cells.get("answer") is not None:
         return cells["answer"]
     return cells.get("ground_truth")
-
-
-def _check_untruncated(
-    truncated: np.ndarray, images: dict[int, list], rows: Rows, row_ids: np.ndarray, limit: int
-) -> None:
-    """Raise DatasetError for the first row with images that `data.truncation` would cut (`truncated` `[n]`): its
-    vision tokens must stay whole."""
-    for k in np.flatnonzero(truncated):
-        if images.get(int(row_ids[k])):
-            raise DatasetError(
-                f"{rows.locate(row_ids[k])}: the prompt with its images' vision tokens is longer than "
-                f"data.max_prompt_length={limit}, and a prompt with images cannot be truncated; raise the limit, "
-                "set data.filter_overlong_prompts=true, or give smaller images"
-            )
 
 
 def _check_reserved(rows: Rows, prompt_key: str) -> None:

@@ -12,10 +12,15 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from ketch.data.errors import DatasetError
+from ketch.data.parquet import Rows
 from ketch.data.values import to_python
 
 IMAGE_MARKER = "<image>"
 """Where an image goes in a prompt's text; replaced by the processor's `image_placeholder` before tokenizing."""
+
+IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
+"""The processor's outputs that describe a row's images (the others are per token, found again from its ids)."""
 
 _ENTRY_FORMS = 'PNG/JPEG bytes, a path to an image file, or a {"bytes": ..., "path": ...} dict'
 
@@ -72,3 +77,54 @@ def check_image_count(text: str, images: list) -> None:
             f"the row has {len(images)} image(s) but its prompt has {markers} {IMAGE_MARKER} placeholder(s); put "
             f'one {IMAGE_MARKER} in the prompt text (or a {{"type": "image"}} entry in a message) per image'
         )
+
+
+def prompt_images(rows: Rows, row_ids: np.ndarray, texts: list[str], image_key: str, vision: bool) -> dict[int, list]:
+    """The images of each row of `row_ids` (by row number; none without an `image_key` column), each row's checked
+    against the `<image>` placeholders of its prompt text in `texts`; `vision`: the model takes images. A bad image,
+    a count that does not match, or images for a text-only model raise DatasetError naming the file, row and column.
+    """
+    column = rows.columns.get(image_key)
+    if column is None:
+        return {}
+    images = {}
+    for row, text in zip(row_ids, texts, strict=True):
+        try:
+            images[int(row)] = row_images(column[row])
+            if images[int(row)] and not vision:
+                raise ValueError(
+                    "the row has images but the model is text-only; train a vision-language model (model.path) "
+                    "or set data.image_key to a column without images"
+                )
+            check_image_count(text, images[int(row)])
+        except ValueError as err:
+            raise DatasetError(f"{rows.locate(row)}, column {image_key!r}: {err}") from None
+    return images
+
+
+def process_prompt(processor: Any, text: str, images: list) -> dict[str, Any]:
+    """A vision-language `processor`'s outputs for one prompt `text` with its `images` (empty: none): `input_ids`
+    `[1, prompt_len]` with each `<image>` expanded into the image's vision tokens, and the image tensors."""
+    text = text.replace(IMAGE_MARKER, processor.image_placeholder)
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+def image_tensors(processed: Mapping[str, Any]) -> dict[str, Any]:
+    """A row's `multi_modal_inputs`: the image tensors of `process_prompt`'s outputs (`pixel_values`, Qwen's
+    `image_grid_thw` `[images, 3]`)."""
+    return {k: v for k, v in processed.items() if k in IMAGE_INPUTS}
+
+
+def check_untruncated(
+    truncated: np.ndarray, images: dict[int, list], rows: Rows, row_ids: np.ndarray, limit: str
+) -> None:
+    """Raise DatasetError for the first row with images that `data.truncation` would cut (`truncated` `[n]`, by
+    position in `row_ids`) to `limit` (the setting, e.g. `data.max_prompt_length=64`): its vision tokens must stay
+    whole."""
+    for k in np.flatnonzero(truncated):
+        if images.get(int(row_ids[k])):
+            raise DatasetError(
+                f"{rows.locate(row_ids[k])}: the prompt with its images' vision tokens is longer than {limit}, and a "
+                "prompt with images cannot be truncated; raise the limit, set data.filter_overlong_prompts=true, "
+                "or give smaller images"
+            )

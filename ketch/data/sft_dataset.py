@@ -9,6 +9,8 @@ each prompt is rendered as that rollout renders it: its messages with the schema
 A sequence longer than `max_prompt_length + max_response_length` is handled per `data.truncation`:
 `left` drops tokens from the start (the prompt side, keeping the response whole where it fits),
 `right` drops tokens from the end (the response's tail, then its EOS, is lost), `error` raises.
+Given a vision-language model's `processor`, a row's images (`data.image_key`) go where its prompt's `<image>`
+placeholders are, as in `RLHFDataset`: the prompt holds their vision tokens and the item their image tensors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ketch.data.builtin.files import resolve_data_files
 from ketch.data.chat_templates import to_messages
 from ketch.data.conversation import ChatRenderer, conversation_tokens, prompt_messages, row_tool_names
 from ketch.data.errors import DatasetError
+from ketch.data.images import check_untruncated, image_tensors, process_prompt, prompt_images
 from ketch.data.parquet import Rows, read_parquet_files
 from ketch.data.preparation import first_rows, prompt_texts, within_limit
 from ketch.protocol import object_array
@@ -36,6 +39,9 @@ class SFTDataset(Dataset):
     message-list response 1 on the assistant turns only), and `index` (int: the row's position in the
     concatenated files). `turn_stop`: the strings after which a rollout's turn ends (`</tool_call>`), where an
     assistant turn gets no EOS; `tools`: the rollout's tool schemas by name, shown to the model in the prompt.
+    With a `processor` (`ketch.models.vision.load_image_processor`), item `i` also has `multi_modal_inputs`, the
+    image tensors of its row's images (`pixel_values`, Qwen's `image_grid_thw`; empty without images), and the
+    prompt's `input_ids` the images' vision tokens, which are never truncated.
     """
 
     def __init__(
@@ -45,15 +51,20 @@ class SFTDataset(Dataset):
         config: DataConfig,
         turn_stop: tuple[str, ...] = (),
         tools: dict[str, dict] | None = None,
+        processor: Any | None = None,
     ) -> None:
         if tokenizer.eos_token_id is None:
             raise DatasetError("SFTDataset ends every response with EOS, but the tokenizer has no EOS token")
         files = resolve_data_files([data_files] if isinstance(data_files, str) else list(data_files))
-        self.pad_token_id = pad_token_id(tokenizer)
+        self.pad_token_id, self.processor = pad_token_id(tokenizer), processor
         rows = read_parquet_files(files, self.required_columns(config))
         row_ids = first_rows(rows, config)
+        self.images, self.texts = {}, {}
         if tools is None:
-            prompts = encode(tokenizer, prompt_texts(rows, row_ids, tokenizer, config))
+            texts = prompt_texts(rows, row_ids, tokenizer, config)
+            self.images = prompt_images(rows, row_ids, texts, config.image_key, processor is not None)
+            self.texts = {int(row): text for row, text in zip(row_ids, texts, strict=True) if self.images.get(int(row))}
+            prompts = self._prompt_ids(tokenizer, row_ids, texts)
             row_tools = [None] * len(row_ids)
         else:
             row_tools = [_row_tools(rows, row, tools) for row in row_ids]
@@ -65,11 +76,21 @@ class SFTDataset(Dataset):
         limit = config.max_prompt_length + config.max_response_length
         setting = "data.max_prompt_length + data.max_response_length"
         keep = within_limit(lengths, limit, setting, config, rows, row_ids, "sequence")
+        check_untruncated(keep & (lengths > limit), self.images, rows, row_ids, f"{setting}={limit}")
         self.num_filtered = int((~keep).sum())
         self.row_ids = row_ids[keep]
         kept = np.flatnonzero(keep)
         self.input_ids = PackedSequences([_truncate(sequences[k], limit, config.truncation) for k in kept])
         self.loss_masks = PackedSequences([_truncate(loss_masks[k], limit, config.truncation) for k in kept])
+
+    def _prompt_ids(self, tokenizer: Any, row_ids: np.ndarray, texts: list[str]) -> list[list[int]]:
+        """Each prompt's token ids; a row's images expanded into their vision tokens by the processor."""
+        if self.processor is None:
+            return encode(tokenizer, texts)
+        return [
+            process_prompt(self.processor, text, self.images.get(int(row)))["input_ids"][0].tolist()
+            for row, text in zip(row_ids, texts, strict=True)
+        ]
 
     @staticmethod
     def required_columns(config: DataConfig) -> dict[str, str]:
@@ -81,26 +102,36 @@ class SFTDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         i = range(len(self))[i]
-        input_ids = self.input_ids[i]
-        return {
+        input_ids, row = self.input_ids[i], int(self.row_ids[i])
+        item = {
             "input_ids": input_ids,
             "attention_mask": torch.ones_like(input_ids),
             "loss_mask": self.loss_masks[i],
-            "index": int(self.row_ids[i]),
+            "index": row,
         }
+        if self.processor is not None:
+            images = self.images.get(row)
+            item["multi_modal_inputs"] = (
+                image_tensors(process_prompt(self.processor, self.texts[row], images)) if images else {}
+            )
+        return item
 
     def collate(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         """Right-pad to the batch's longest: `input_ids`, `attention_mask`, `position_ids`, `loss_mask`
-        `[batch, seq_len]` (padding has mask 0 and loss 0), and `index` as a numpy object array `[batch]`.
+        `[batch, seq_len]` (padding has mask 0 and loss 0), and `index` (and with a processor `multi_modal_inputs`)
+        as a numpy object array `[batch]`.
         """
         attention_mask = pad([item["attention_mask"] for item in items], 0, "right")
-        return {
+        batch = {
             "input_ids": pad([item["input_ids"] for item in items], self.pad_token_id, "right"),
             "attention_mask": attention_mask,
             "position_ids": position_ids(attention_mask),
             "loss_mask": pad([item["loss_mask"] for item in items], 0, "right"),
-            "index": object_array([item["index"] for item in items]),
         }
+        for key in ("index", "multi_modal_inputs"):
+            if key in items[0]:
+                batch[key] = object_array([item[key] for item in items])
+        return batch
 
 
 def _truncate(sequence: list[int], limit: int, side: str) -> list[int]:

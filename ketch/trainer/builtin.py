@@ -1,6 +1,7 @@
 """The built-in models: a tiny Qwen2 warmed up by a short SFT on a built-in task, cached per settings
 (`builtin:tiny-arithmetic` on arithmetic; `builtin:tiny-calculator-calls` from it on demonstrations of the
-`calculate` tool, and `builtin:tiny-calculator` from that on a mix of those and direct answers).
+`calculate` tool, and `builtin:tiny-calculator` from that on a mix of those and direct answers); and a tiny
+Qwen2-VL warmed up on the built-in visual task (`builtin:tiny-dots`).
 
 A random model cannot do arithmetic, so `ketch train` with no arguments first fine-tunes the tiny model
 to a partly-correct state (once per machine; the result is cached under the user cache directory, keyed
@@ -21,7 +22,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +30,22 @@ from typing import Any
 
 from ketch.cache import cache_dir
 from ketch.config import KetchConfig, load_config
-from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_CALLER_MODEL, BUILTIN_MODEL, BUILTIN_TASK
+from ketch.config.schema import (
+    BUILTIN_CALCULATOR_MODEL,
+    BUILTIN_CALLER_MODEL,
+    BUILTIN_DOTS_MODEL,
+    BUILTIN_MODEL,
+    BUILTIN_TASK,
+)
 from ketch.data import build_char_tokenizer
 from ketch.data.builtin.arithmetic import DATA_SOURCE, ArithmeticTask
 from ketch.data.builtin.calculator import BUILTIN_CALCULATOR_TASK, CalculatorTask
 from ketch.data.builtin.calculator import DATA_SOURCE as CALCULATOR_DATA_SOURCE
+from ketch.data.builtin.dots import BUILTIN_DOTS_TASK, DotsTask
+from ketch.data.builtin.dots import DATA_SOURCE as DOTS_DATA_SOURCE
 from ketch.models import local_or_hub, save_tiny_model, tiny_qwen2_config
 from ketch.models.gguf import cached_gguf_model, is_gguf
+from ketch.models.tiny_vlm import QWEN_VISION_TOKENS, save_tiny_vlm, tiny_qwen2_vl_config
 from ketch.trainer.sft import SFTTrainer
 
 logger = logging.getLogger("ketch")
@@ -102,6 +112,53 @@ part-way up the steep copying curve left GRPO a gain that moved with where round
 in 100 steps from one start, at most +5 from others: benchmarks/results/2026-12-03_cpu_tool_calculator_starts.json)."""
 
 
+DOTS_WARMUP_OVERRIDES = (
+    f"data.train_files=[{BUILTIN_DOTS_TASK}/train]",
+    f"data.val_files=[{BUILTIN_DOTS_TASK}/val]",
+    "data.max_prompt_length=32",
+    "data.max_response_length=3",
+    "data.train_batch_size=32",
+    "model.freeze_vision_tower=false",
+    "actor.optim.lr=0.0005",
+    "actor.optim.warmup_steps=20",
+    "trainer.total_steps=1500",
+    "trainer.test_freq=10",
+    "trainer.log_interval=10",
+    "trainer.seed=0",
+)
+"""The warm-up SFT of the tiny vision-language model (`builtin:tiny-dots`), its vision tower trained too (it starts
+random). It validates every 10 steps and ends at DOTS_WARMUP_TARGET."""
+
+DOTS_WARMUP_TARGET = 0.4
+"""The most greedy validation accuracy the dots warm-up ends with."""
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """The random model a warm-up starts from: `settings()` describes it (hashed into the cached model's name),
+    `save(path)` writes it with its tokenizer (and a vision-language model's image processor)."""
+
+    settings: Callable[[], dict[str, Any]]
+    save: Callable[[Path], Any]
+
+
+TINY_QWEN2 = TinyModel(
+    lambda: tiny_qwen2_config(build_char_tokenizer()).to_dict(),
+    lambda path: save_tiny_model(path, build_char_tokenizer(), seed=0),
+)
+"""The built-in tiny Qwen2 (`ketch.models.tiny`) with the character tokenizer."""
+
+TINY_QWEN2_VL = TinyModel(
+    lambda: {
+        **tiny_qwen2_vl_config(build_char_tokenizer(QWEN_VISION_TOKENS)).to_dict(),
+        "image_size": DotsTask().size,
+    },
+    lambda path: save_tiny_vlm(path, build_char_tokenizer(QWEN_VISION_TOKENS), DotsTask().size, seed=0),
+)
+"""The tiny Qwen2-VL (`ketch.models.tiny_vlm`) with the character tokenizer and Qwen's vision tokens, taking the
+built-in visual task's images as they are."""
+
+
 @dataclass(frozen=True)
 class Warmup:
     """How a built-in model is made: a short SFT of the tiny model (or of the built-in model `start`). Without a
@@ -117,6 +174,8 @@ class Warmup:
     metric: str
     target: float | None = None
     start: str | None = None
+    init: TinyModel = TINY_QWEN2
+    """The random model of a warm-up without `start`."""
 
     def reached(self, metrics: dict[str, float]) -> bool:
         """Whether the validation `metrics` of a step are above the bound (the warm-up's `stop_when`)."""
@@ -142,6 +201,13 @@ WARMUPS = {
         f"val/{CALCULATOR_DATA_SOURCE}/acc",
         start=BUILTIN_CALLER_MODEL,
     ),
+    BUILTIN_DOTS_MODEL: Warmup(
+        DotsTask().settings_hash(),
+        DOTS_WARMUP_OVERRIDES,
+        f"val/{DOTS_DATA_SOURCE}/acc",
+        DOTS_WARMUP_TARGET,
+        init=TINY_QWEN2_VL,
+    ),
 }
 """The built-in models by `model.path`."""
 
@@ -166,11 +232,9 @@ def _built_model(name: str, device: str) -> Path:
 
 
 def _settings_hash(warmup: Warmup) -> str:
-    tokenizer = build_char_tokenizer()
-    model = tiny_qwen2_config(tokenizer)
     settings = {
         "task": warmup.task_hash,
-        "model": model.to_dict(),
+        "model": warmup.init.settings(),
         "warmup": [warmup.overrides, warmup.target],
         "format": _FORMAT_VERSION,
     }
@@ -196,7 +260,7 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
         if warmup.start:
             shutil.copytree(_built_model(warmup.start, device), init)
         else:
-            save_tiny_model(init, build_char_tokenizer(), seed=0)
+            warmup.init.save(init)
         sft = SFTTrainer(warmup_config(warmup, init, tmp, device))
         if warmup.target is None:
             sft.fit()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,6 +14,7 @@ from ketch.config import KetchConfig, derive_batch_plan
 from ketch.data import RLHFDataset, SFTDataset, resolve_data_files
 from ketch.data.prompt_loader import PromptLoader
 from ketch.models import local_or_hub
+from ketch.models.vision import image_processor_for
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.rollout.multi_turn import tool_schemas, turn_stop_strings
@@ -63,7 +65,7 @@ class SFTTrainer(TrainingLoop):
         self.model_path, self.tokenizer = model.path, model.tokenizer
         self.reward.tokenizer = model.tokenizer
         self.run_dir = Path(c.trainer.default_local_dir) / c.trainer.experiment_name
-        self._load_data(c)
+        self._load_data(c, image_processor_for(model.config, model.path, model.tokenizer))
         self.loader = PromptLoader(self.train_set, c.data.train_batch_size, c.data.shuffle, c.trainer.seed)
         self.total_steps = c.trainer.total_steps or c.trainer.total_epochs * self.loader.batches_per_epoch
         self.step_size = f"{c.data.train_batch_size} rows"
@@ -76,14 +78,15 @@ class SFTTrainer(TrainingLoop):
         c = self.config
         self.reward = RewardScorer(None, c.reward.function, c.reward.on_error, c.reward.scorer_kwargs)
 
-    def _load_data(self, c: KetchConfig) -> None:
-        """The training and validation rows (tokenized as the rollout renders a conversation), and the validation
-        prompts to generate on when they carry a ground truth."""
-        demo = {"turn_stop": turn_stop_strings(c, self.tokenizer), "tools": tool_schemas(c)}
+    def _load_data(self, c: KetchConfig, processor: Any | None) -> None:
+        """The training and validation rows (tokenized as the rollout renders a conversation; with a vision-language
+        model's `processor`, with their images), and the validation prompts to generate on when they carry a ground
+        truth."""
+        demo = {"turn_stop": turn_stop_strings(c, self.tokenizer), "tools": tool_schemas(c), "processor": processor}
         self.train_set = SFTDataset(resolve_data_files(c.data.train_files), self.tokenizer, c.data, **demo)
         val_files = resolve_data_files(c.data.val_files)
         self.val_set = SFTDataset(val_files, self.tokenizer, c.data, **demo) if val_files else None
-        self.val_prompts = RLHFDataset(val_files, self.tokenizer, c.data) if val_files else None
+        self.val_prompts = RLHFDataset(val_files, self.tokenizer, c.data, processor) if val_files else None
         if self.val_prompts is not None and self.val_prompts[0]["ground_truth"] is None:
             self.val_prompts = None
 

@@ -17,6 +17,7 @@ def test_builtin_data_sources_are_known():
         "gsm8k",
         "ketch/arithmetic",
         "ketch/calculator",
+        "ketch/dots",
         "lighteval/MATH",
         "math",
         "openai/gsm8k",

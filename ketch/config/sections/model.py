@@ -10,6 +10,7 @@ BUILTIN_TASK = "builtin:arithmetic"
 BUILTIN_MODEL = "builtin:tiny-arithmetic"
 BUILTIN_CALCULATOR_MODEL = "builtin:tiny-calculator"
 BUILTIN_CALLER_MODEL = "builtin:tiny-calculator-calls"
+BUILTIN_DOTS_MODEL = "builtin:tiny-dots"
 BUILTIN_PREFERENCE_TASK = "builtin:arithmetic-preference"
 
 
