@@ -172,8 +172,9 @@ def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tupl
     under `root`; returns the model directory and the prompts' Parquet file."""
     tokenizer = word_tokenizer(s["vocab"])
     positions = max(4096, s["prompt_len"] + s["response_len"])
-    make = qwen3_moe_config if "experts" in s else qwen2_config
-    config = make(s, max_position_embeddings=positions, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1)
+    config = qwen2_config(
+        s, max_position_embeddings=positions, tie_word_embeddings=s["tied"], pad_token_id=0, eos_token_id=1
+    )
     random_model(config, matmul_parameters(s), device).save_pretrained(root / "model")
     if device == "cuda":
         torch.cuda.empty_cache()  # the workers (or this process's engines) get the GPU memory back
@@ -187,34 +188,16 @@ def build_workload(root: Path, s: dict, steps: int, device: str = "cpu") -> tupl
 
 
 def qwen2_config(s: dict, **extra) -> Qwen2Config:
-    """The Qwen2 architecture of scale `s` (vocabulary, widths, layers, heads); `extra` sets the other fields."""
-    return Qwen2Config(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        **extra,
-    )
-
-
-def qwen3_moe_config(s: dict, **extra) -> Qwen3MoeConfig:
-    """The Qwen3-MoE architecture of scale `s`: its widths and heads, `experts` of width `expert_intermediate`,
-    `top_k` a token, in every layer."""
-    return Qwen3MoeConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"],
-        num_experts=s["experts"],
-        num_experts_per_tok=s["top_k"],
-        moe_intermediate_size=s["expert_intermediate"],
-        **extra,
-    )
+    """The Qwen2 architecture of scale `s` (vocabulary, widths, layers, heads); `extra` sets the other fields. A
+    scale with `experts` is Qwen3-MoE's instead: `experts` of width `expert_intermediate`, `top_k` a token, in every
+    layer."""
+    sizes = {"vocab_size": s["vocab"], "hidden_size": s["hidden"], "intermediate_size": s["intermediate"]}
+    sizes |= {"num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"]}
+    if "experts" not in s:
+        return Qwen2Config(**sizes, **extra)
+    experts = {"num_experts": s["experts"], "num_experts_per_tok": s["top_k"]}
+    experts |= {"moe_intermediate_size": s["expert_intermediate"], "head_dim": s["head_dim"]}
+    return Qwen3MoeConfig(**sizes, **experts, **extra)
 
 
 def join_process_group(rank: int, world: int, port: int, device: str) -> torch.device:

@@ -21,3 +21,17 @@ def tiny_decoder(family: str = "qwen2") -> torch.nn.Module:
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 weight.uniform_(0.5, 1.5)
     return model.cuda().eval()
+
+
+def two_grpo_steps(config) -> tuple[list[dict], tuple[bool, bool]]:
+    """Two GRPO steps of a `PPOTrainer` on `config`: each step's metrics, and whether the actor trained packed and
+    the rollout decoded with the static decoder."""
+    from ketch.trainer.ppo import PPOTrainer
+
+    trainer = PPOTrainer(config)
+    trainer._open()
+    steps = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
+    worker = trainer.actor_rollout.worker
+    paths = (worker.actor.module.packed, worker.rollout.decoder is not None)
+    trainer.groups.shutdown()
+    return steps, paths

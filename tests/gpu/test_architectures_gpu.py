@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 from families import MATRIX, save_tiny_family_model
+from gpu_models import two_grpo_steps
 from greedy import generate_greedy
 from test_architectures import NOT_PACKED, NOT_STATIC, ragged_batch
 
@@ -21,7 +22,6 @@ from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
-from ketch.trainer.ppo import PPOTrainer
 
 CUDA = torch.device("cuda")
 
@@ -58,12 +58,7 @@ def test_family_on_the_gpu_with_the_defaults(model_type, tmp_path, tiny_config):
         f"model.path={path}", "algorithm.adv_estimator=grpo", "rollout.n=2", "data.train_batch_size=4",
         "trainer.device=cuda",
     )  # fmt: skip
-    trainer = PPOTrainer(config)
-    trainer._open()
-    steps = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
-    worker = trainer.actor_rollout.worker
-    paths = (worker.actor.module.packed, worker.rollout.decoder is not None)
-    trainer.groups.shutdown()
+    steps, paths = two_grpo_steps(config)
     assert paths == (model_type not in NOT_PACKED, model_type not in NOT_STATIC)
     diffs = [m["training/rollout_probs_diff_max"] for m in steps]
     assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in steps) and max(diffs) < 0.1

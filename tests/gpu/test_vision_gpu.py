@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from gpu_models import two_grpo_steps
 from PIL import Image
 
 from ketch.models.vision import load_image_processor
-from ketch.trainer.ppo import PPOTrainer
 from tests.vision_models import FAMILIES, save_tiny_vlm
 
 
@@ -47,12 +47,7 @@ def test_two_grpo_steps_on_the_gpu_with_the_defaults(family, tmp_path, tiny_conf
         "data.train_batch_size=4", "data.max_prompt_length=48", "data.max_response_length=16",
         "algorithm.adv_estimator=grpo", "rollout.n=2", "actor.entropy_coeff=0.01", "trainer.device=cuda",
     )  # fmt: skip
-    trainer = PPOTrainer(config)
-    trainer._open()
-    steps = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
-    worker = trainer.actor_rollout.worker
-    paths = (worker.actor.module.packed, worker.rollout.decoder is not None)
-    trainer.groups.shutdown()
+    steps, paths = two_grpo_steps(config)
     assert paths == (family != "gemma3", family != "gemma3")
     diffs = [m["training/rollout_probs_diff_max"] for m in steps]
     assert all(torch.isfinite(torch.tensor(m["actor/pg_loss"])) for m in steps) and max(diffs) < 0.1
