@@ -47,7 +47,7 @@ FAMILIES: dict[str, Family] = {
     "granite": Family(tensor_parallel=True),
     "mixtral": Family(fixed_shape_experts=True),
     "qwen2_moe": Family(fixed_shape_experts=True),
-    "qwen3_moe": Family(fixed_shape_experts=True),
+    "qwen3_moe": Family(fixed_shape_experts=True, batch_invariant=True),
     "olmoe": Family(fixed_shape_experts=True),
     "gpt_oss": Family(fixed_shape_experts=True),
     "deepseek_v3": Family(fixed_shape_experts=True),

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from families import save_tiny_family_model
 from torch import nn
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm, Qwen2RotaryEmbedding
 
 from ketch.config import ConfigError, load_config
 from ketch.config.exact import check_exact_start
+from ketch.data import build_char_tokenizer
 from ketch.models.batch_invariant import ROWS, attention, label_log_probs, linear, silu
 from ketch.trainer.ppo import PPOTrainer
 from ketch.workers.actor import ActorRolloutRefWorker
@@ -127,6 +129,19 @@ def test_the_rollouts_log_probs_are_the_training_forwards_bit_for_bit(tiny_confi
     assert len(pairs) == 2 and all(torch.equal(train, rollout) for train, rollout in pairs)
 
 
+def test_a_mixture_of_experts_routes_and_computes_alike_in_the_rollout_and_the_update(
+    tiny_config, monkeypatch, tmp_path
+):
+    """A tiny Qwen3-MoE (4 experts, 2 a token) in float32: the router's logits through the blocked matmul, each
+    expert's tokens through it too, a token's experts added in their order. The log-probs are bitwise equal, and
+    the router's load-balancing loss is still added (transformers' recorder finds the switched router)."""
+    model = save_tiny_family_model(tmp_path / "moe", "qwen3_moe", build_char_tokenizer())
+    steps, pairs = _grpo_run(tiny_config, monkeypatch, "rollout.exact_log_probs=true", f"model.path={model}")
+    assert [s["training/rollout_probs_diff_max"] for s in steps] == [0.0, 0.0]
+    assert len(pairs) == 2 and all(torch.equal(train, rollout) for train, rollout in pairs)
+    assert all(s["actor/router_aux_loss"] > 0 for s in steps)
+
+
 def test_without_it_they_differ_in_the_last_bits(tiny_config, monkeypatch):
     """The same run with the rollout's log-probs as old_log_prob but the default kernels."""
     steps, pairs = _grpo_run(tiny_config, monkeypatch, "actor.old_log_prob_from_rollout=true")
@@ -170,7 +185,7 @@ def test_it_skips_the_pass_that_rollout_is_needs():
 @pytest.mark.parametrize(
     ("model_config", "problem"),
     [
-        (GPT2Config(), "model_type='gpt2' is not a family whose every op it covers (llama, qwen2, qwen3)"),
+        (GPT2Config(), "model_type='gpt2' is not a family whose every op it covers (llama, qwen2, qwen3, qwen3_moe)"),
         (LlamaConfig(hidden_act="gelu"), "its MLP's activation is 'gelu'; it covers SiLU"),
     ],
 )

@@ -38,6 +38,7 @@ def exact_log_probs_problem(config: KetchConfig) -> str | None:
         "actor.strategy=megatron": (c.actor.strategy == "megatron", "Megatron's kernels are its own"),
         "actor.ulysses_sequence_parallel_size > 1": (c.actor.ulysses_sequence_parallel_size > 1, "it packs"),
         "actor.lora.rank > 0": (c.actor.lora.enabled, "the rollout decodes merged weights, the actor adds adapters"),
+        "actor.router_replay": (c.actor.router_replay != "off", "the experts are the rollout's already: set it off"),
     }
     given = [(key, why) for key, (on, why) in refused.items() if on]
     if not given:

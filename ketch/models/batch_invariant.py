@@ -8,12 +8,17 @@ and SiLU's vectorised loop leaves the last elements of a tensor to a scalar form
 runs in an op of one fixed shape on both sides: projections multiply blocks of `ROWS` rows (`linear`); attention
 walks the keys in blocks of `KEYS` from the first, each block's scores and weighted values in `[ROWS, KEYS]` matmuls,
 merged by an online softmax in the same order for a decode step over its cache and a forward over the sequence
-(`attention`); SiLU is `x / (1 + exp(-x))`, whose ops round each element alike wherever it sits. What is left is
+(`attention`); SiLU is `x / (1 + exp(-x))`, whose ops round each element alike wherever it sits. A mixture of
+experts (Qwen3-MoE's layout: a top-k router, experts as 3D tensors) routes through `linear` and runs each expert's
+tokens through `linear`, adding the experts' outputs to a token in the experts' order (`_router_forward`,
+`_experts_forward`). What is left is
 invariant as it stands (measured, `tests/test_exact_log_probs.py`): the norms' mean over one row of the hidden size,
 the log-softmax over the vocabulary (one row per thread), the rotary cos/sin of a position, and elementwise
 arithmetic."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -125,6 +130,40 @@ def label_log_probs(
     return log_prob, -(log_softmax.exp() * log_softmax).sum(-1)
 
 
+def _router_forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A top-k router (`weight` `[experts, hidden]`): `[tokens, hidden]` -> router logits `[tokens, experts]`, the
+    chosen experts' weights and indices `[tokens, top_k]`, as transformers' Qwen3-MoE router gives them."""
+    logits = linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    top, index = torch.topk(torch.softmax(logits, dtype=torch.float, dim=-1), self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(logits.dtype), index
+
+
+def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """Experts as 3D tensors (`gate_up_proj` `[experts, 2 x width, hidden]`, `down_proj` `[experts, hidden,
+    width]`): `[tokens, hidden]` routed to `top_k_index` `[tokens, top_k]` with `top_k_weights` -> `[tokens,
+    hidden]`. Each expert's tokens go through `linear`; a token's outputs add up in the experts' order."""
+    out = torch.zeros_like(hidden_states)
+    for expert in top_k_index.unique().tolist():  # ascending
+        token, slot = torch.where(top_k_index == expert)
+        gate, up = linear(hidden_states[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+        routed = linear(self.act_fn(gate) * up, self.down_proj[expert]) * top_k_weights[token, slot, None]
+        out.index_add_(0, token, routed.to(out.dtype))
+    return out
+
+
+_MOE_FORWARDS = {"Qwen3MoeTopKRouter": _router_forward, "Qwen3MoeExperts": _experts_forward}
+"""The mixture-of-experts modules switched, by class name, to their batch-invariant forward."""
+
+
+@functools.cache
+def _batch_invariant_class(cls: type) -> type:
+    """A subclass of `cls` (so that transformers' output recorders still find its instances) with its
+    batch-invariant forward."""
+    return type(f"BatchInvariant{cls.__name__}", (cls,), {"forward": _MOE_FORWARDS[cls.__name__]})
+
+
 class BatchInvariantLinear(nn.Linear):
     """`nn.Linear` through `linear`."""
 
@@ -141,8 +180,9 @@ class BatchInvariantSiLU(nn.Module):
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Switch a HF causal LM to batch-invariant ops in place: its linear layers (the output projection among them)
-    to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, its attention to `attention` under a
-    boolean mask. Raises ValueError for a model `architecture.batch_invariant_problem` refuses."""
+    to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, a mixture's router and experts to
+    their batch-invariant forwards, its attention to `attention` under a boolean mask. Raises ValueError for a
+    model `architecture.batch_invariant_problem` refuses."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     if problem := batch_invariant_problem(model.config):
@@ -153,6 +193,8 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
                 child.__class__ = BatchInvariantLinear
             elif type(child).__name__ in ("SiLU", "SiLUActivation"):
                 setattr(parent, name, BatchInvariantSiLU())
+            elif type(child).__name__ in _MOE_FORWARDS:
+                child.__class__ = _batch_invariant_class(type(child))
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, _boolean_mask)
     model.set_attn_implementation(ATTENTION)
