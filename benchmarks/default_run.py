@@ -1,9 +1,10 @@
-"""Time `ketch train` on the built-in task, warm-up included, and record its learning curve.
+"""Time `ketch train` on a built-in task, warm-up included, and record its learning curve.
 
     PYTHONPATH=. python3 benchmarks/default_run.py --empty-cache --out benchmarks/results/x.json [overrides ...]
     PYTHONPATH=. python3 benchmarks/default_run.py --config-path examples/arithmetic_ppo.yaml --out ...
 
-Without `--config-path` it runs what `make run` runs; with one, that example config of the built-in task. With
+Without `--config-path` it runs what `make run` runs; with one, that example config of a built-in task (the
+arithmetic ones, or the visual task's `examples/vision.yaml`). With
 `--empty-cache` the built-in data and the warmed-up model are built afresh in a temporary cache, as on a
 fresh clone. Prints and writes: wall and CPU seconds of the warm-up and of the RL run, the median seconds of
 each step stage, the validation accuracy at every validation, torch's thread count and the machine's load
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -31,6 +33,8 @@ from ketch.trainer import builtin
 from ketch.trainer.ppo import PPOTrainer
 
 ACC = "val/ketch/arithmetic/acc"
+VAL_ACC = re.compile(r"val/.+/acc")
+"""The greedy validation accuracy of any task's data source (`ACC`, the visual task's `val/ketch/dots/acc`)."""
 
 
 def timed(fn, *args):
@@ -98,7 +102,7 @@ def main() -> None:
         "warmup_wall_s": round(warmup_wall, 1),
         "warmup_cpu_s": round(warmup_cpu, 1),
         **rl_timing,
-        "val_acc": {r["step"]: round(r[ACC], 3) for r in records if ACC in r},
+        "val_acc": {r["step"]: round(r[acc], 3) for r in records for acc in r if VAL_ACC.fullmatch(acc)},
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
