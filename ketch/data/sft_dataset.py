@@ -127,10 +127,10 @@ class SFTDataset(Dataset):
             "attention_mask": attention_mask,
             "position_ids": position_ids(attention_mask),
             "loss_mask": pad([item["loss_mask"] for item in items], 0, "right"),
+            "index": object_array([item["index"] for item in items]),
         }
-        for key in ("index", "multi_modal_inputs"):
-            if key in items[0]:
-                batch[key] = object_array([item[key] for item in items])
+        if self.processor is not None:
+            batch["multi_modal_inputs"] = object_array([item["multi_modal_inputs"] for item in items])
         return batch
 
 
