@@ -4,6 +4,7 @@ the fix named."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 
@@ -285,3 +286,21 @@ def test_a_standalone_rollouts_gpus_count_toward_a_nodes():
     assert _gpus_per_node(load_config(overrides=["trainer.n_gpus_per_node=2"])) == (2, "trainer.n_gpus_per_node=2")
     standalone = load_config(overrides=["trainer.n_gpus_per_node=2", "rollout.placement=standalone"])
     assert _gpus_per_node(standalone) == (3, "trainer.n_gpus_per_node=2 + rollout.n_workers_per_node=1")
+
+
+def test_a_built_in_model_no_run_has_built_yet_is_fine_and_a_built_one_is_read(monkeypatch, tmp_path, tiny_model_dir):
+    """`builtin:tiny-calculator` and `builtin:tiny-dots` (not the default model, which has a branch of its own): fine
+    before the first run builds them; once built, read from the cache like any model directory."""
+    from ketch.doctor.config_checks import model_row
+    from ketch.trainer import builtin
+
+    monkeypatch.setenv("KETCH_CACHE_DIR", str(tmp_path))
+    for name in ("builtin:tiny-calculator", "builtin:tiny-dots"):
+        row, tokenizer, model_config, processor = model_row(load_config(overrides=[f"model.path={name}"]))
+        assert (row.status, row.detail) == ("ok", f"{name}, a built-in model (warmed up by the first run, then cached)")
+        assert tokenizer is model_config is processor is None
+    built = builtin._cache_target("builtin:tiny-calculator")
+    shutil.copytree(tiny_model_dir, built)
+    row, tokenizer, model_config, processor = model_row(load_config(overrides=["model.path=builtin:tiny-calculator"]))
+    assert row.status == "ok" and row.detail.startswith("builtin:tiny-calculator: Qwen2ForCausalLM, 2 layers")
+    assert model_config.model_type == "qwen2" and processor is None

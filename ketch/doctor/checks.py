@@ -254,10 +254,8 @@ def _config_rows(config: KetchConfig) -> list[Check]:
         partial_row,
         paths_row,
     )
-    from ketch.models.vision import image_processor_for
 
-    model, tokenizer, model_config = model_row(config)
-    processor = image_processor_for(model_config, config.model.path, tokenizer)  # a vision-language model's
+    model, tokenizer, model_config, processor = model_row(config)
     train, train_set = data_row(config, "train_files", tokenizer, processor)
     val, _ = data_row(config, "val_files", tokenizer, processor)
     gpu_bytes = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None

@@ -33,8 +33,10 @@ from ketch.data.prompt_loader import PromptLoader
 from ketch.disk import size_text
 from ketch.models import ModelLoadError, load_model_config, load_tokenizer
 from ketch.models.gguf import cached_gguf_model, is_gguf
+from ketch.models.vision import image_processor_for
 from ketch.rewards import UnknownDataSourceError
 from ketch.rewards.registry import scorer_for
+from ketch.trainer.builtin import WARMUPS, cached_builtin_model
 from ketch.trainer.preflight import GIB, Check
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
@@ -42,35 +44,41 @@ TIGHT = 0.85
 """Share of a GPU above which what a run keeps there leaves too little for the activations."""
 
 
-def model_row(config: KetchConfig) -> tuple[Check, Any, Any]:
-    """The model row, the tokenizer the run would use and the model's Hugging Face config (each None when it does
-    not load; the config also for the built-in model, which the first run builds)."""
+def model_row(config: KetchConfig) -> tuple[Check, Any, Any, Any]:
+    """The model row, the tokenizer the run would use, the model's Hugging Face config and a vision-language
+    model's image processor (each None when it does not load; the config also for a built-in model that no run has
+    built yet)."""
     m = config.model
     if m.path == BUILTIN_MODEL:
         return (
             Check("model", "ok", "built-in tiny model (warmed up by the first run, then cached)"),
             build_char_tokenizer(),
             None,
+            None,
         )
+    built = cached_builtin_model(m.path) if m.path in WARMUPS else None
+    if m.path in WARMUPS and built is None:
+        detail = f"{m.path}, a built-in model (warmed up by the first run, then cached)"
+        return Check("model", "ok", detail), None, None, None
     fix = "set model.path to a Hugging Face model directory (config.json, weights, tokenizer), a .gguf file or a hub id"
     try:
-        path = str(cached_gguf_model(m.path)) if is_gguf(m.path) else m.path  # converted once, as a run does
+        path = str(built or (cached_gguf_model(m.path) if is_gguf(m.path) else m.path))  # as a run resolves it
         model = load_model_config(path, m.trust_remote_code, m.override_config)
         tokenizer = load_tokenizer(m.tokenizer_path or path, m.trust_remote_code, path)
     except ModelLoadError as err:
-        return Check("model", "FAIL", str(err), fix), None, None
+        return Check("model", "FAIL", str(err), fix), None, None, None
     local = Path(path).expanduser()
     if local.is_dir() and not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
         detail = f"{m.path} has a config but no weights ({', '.join(WEIGHT_FILES)})"
-        return Check("model", "FAIL", detail, fix), None, None
+        return Check("model", "FAIL", detail, fix), None, None, None
     problem = causal_lm_problem(model)
     if problem:
-        return Check("model", "FAIL", f"{m.path}: {problem}", "ketch trains decoder-only causal LMs"), None, None
+        return Check("model", "FAIL", f"{m.path}: {problem}", "ketch trains decoder-only causal LMs"), None, None, None
     architecture = ", ".join(getattr(model, "architectures", None) or [model.model_type])
     text = model.get_text_config()  # a vision-language model's language model
     layers, hidden = getattr(text, "num_hidden_layers", "?"), getattr(text, "hidden_size", "?")
     detail = f"{m.path}: {architecture}, {layers} layers, hidden size {hidden}, vocabulary {len(tokenizer)}"
-    return Check("model", "ok", detail), tokenizer, model
+    return Check("model", "ok", detail), tokenizer, model, image_processor_for(model, path, tokenizer)
 
 
 def paths_row(config: KetchConfig, model_config: Any, gpu_visible: bool) -> Check | None:

@@ -225,10 +225,21 @@ def resolve_model_path(config: KetchConfig) -> str:
 
 def _built_model(name: str, device: str) -> Path:
     """The cached directory of the built-in model `name`, warmed up first if missing."""
-    target = cache_dir() / "models" / f"{name.removeprefix('builtin:')}-{_settings_hash(WARMUPS[name])}"
-    if not (target / "config.json").is_file():
+    target = cached_builtin_model(name)
+    if target is None:
+        target = _cache_target(name)
         _warm_up(target, WARMUPS[name], device)
     return target
+
+
+def cached_builtin_model(name: str) -> Path | None:
+    """The cached directory of the built-in model `name` (a key of `WARMUPS`) where a run has built it, else None."""
+    target = _cache_target(name)
+    return target if (target / "config.json").is_file() else None
+
+
+def _cache_target(name: str) -> Path:
+    return cache_dir() / "models" / f"{name.removeprefix('builtin:')}-{_settings_hash(WARMUPS[name])}"
 
 
 def _settings_hash(warmup: Warmup) -> str:
