@@ -66,7 +66,7 @@ def _mask(real: torch.Tensor, q_len: int) -> torch.Tensor:
     """transformers' boolean mask `[batch, 1, q_len, kv_len]` of the last `q_len` queries over keys `real` `[batch,
     kv_len]` (1: a token, 0: padding): causal, padding masked."""
     kv_len = real.shape[-1]
-    causal = torch.ones(kv_len, kv_len, dtype=torch.bool).tril()[-q_len:]
+    causal = torch.ones(kv_len, kv_len, dtype=torch.bool, device=real.device).tril()[-q_len:]
     return (causal & real.bool()[:, None, :])[:, None]
 
 

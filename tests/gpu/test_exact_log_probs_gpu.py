@@ -1,7 +1,8 @@
 """On one GPU: `rollout.exact_log_probs` on CUDA, as `tests/test_exact_log_probs.py` checks it on the CPU: the
 batch-invariant ops give a row the same bits alone as in a batch, and a 2-step GRPO run's rollout log-probs are the
-update's first forward's, bit for bit, in bfloat16 and float32; the GPU's default paths (packed, compiled, the static
-decoder) are shown against it."""
+update's first forward's, bit for bit, in bfloat16 (not in float32, measured); the GPU's default paths (packed,
+compiled, the static decoder) are shown against it. First run on an H100, 2026-12-06: bfloat16 0.0 at both steps, the
+default paths 6.5e-5 and 1.1e-5; float32 6.5e-9 (`benchmarks/results/2026-12-06_h100_gpu_tests.md`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,12 @@ def test_the_ops_give_a_row_the_same_bits_alone_as_in_a_batch_on_cuda():
         assert torch.equal(step[:, 0], forward[:, t]), t
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+FLOAT32 = pytest.mark.xfail(
+    strict=True, reason="on an H100 in float32 the gap was 6.5e-9, not 0 (TF32 off changed nothing): not yet found why"
+)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=FLOAT32)])
 def test_the_rollouts_log_probs_are_the_training_forwards_bit_for_bit_on_cuda(tiny_config, monkeypatch, dtype):
     settings = ("trainer.device=cuda", "rollout.exact_log_probs=true", f"model.dtype={dtype}")
     steps, pairs = _grpo_run(tiny_config, monkeypatch, *settings)
