@@ -49,7 +49,7 @@ def test_an_unknown_data_source_is_named_at_the_start_with_its_file_and_row(caps
     assert message == (
         f"data file {tmp_path / 'train.parquet'}, row 3: no reward scorer for data_source 'my/task'; known data "
         "sources: DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, gsm8k, ketch/arithmetic, "
-        "ketch/calculator, lighteval/MATH, math, openai/gsm8k. Score other data with your own function: "
+        "ketch/calculator, ketch/dots, lighteval/MATH, math, openai/gsm8k. Score other data with your own function: "
         "reward.function=path/to/file.py:fn, fn(data_source, solution_str, ground_truth, extra_info) -> float\n"
     )
     assert not (tmp_path / "runs").exists()
