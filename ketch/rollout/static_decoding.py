@@ -23,7 +23,6 @@ one graph replay and no other launch. With shape buckets, a KV cache has room fo
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from functools import partial
@@ -32,7 +31,6 @@ import torch
 from torch import nn
 
 from ketch.architecture import (
-    AttentionShape,
     attention_shape,
     block_attention,
     cuda_graph_problem,
@@ -43,8 +41,8 @@ from ketch.compiled import eager, saved_compile
 from ketch.models.router_replay import ExpertRouting, compact_dtype
 from ketch.models.vision import image_model_inputs
 from ketch.rollout.decode_attention import use_cached_attention
+from ketch.rollout.decode_buffers import DecodeBuffers
 from ketch.rollout.fused_projections import fuse_projections
-from ketch.rollout.kv_pages import KVPages
 from ketch.rollout.moe_decode import decoding, use_fixed_shape_experts
 from ketch.rollout.sampling import Sampling, compiled_sampler
 
@@ -66,8 +64,6 @@ block is compiled with torch.compile itself (a backend object, not saved): every
 PREFILL_TOKENS = 32768
 """The most prompt tokens one prefill forward takes: longer batches (a partial rollout's continuations, thousands
 of tokens a row) prefill in groups of rows, so that their activations stay within a few GiB."""
-ROW_BUFFERS = ("tokens", "positions", "mask", "responses", "log_probs", "done")
-"""The per-row decode state of `DecodeBuffers` besides the KV cache: its first dimension is the row."""
 
 
 def _decode_block(block: nn.Module, *args, **kwargs):
@@ -76,100 +72,6 @@ def _decode_block(block: nn.Module, *args, **kwargs):
     limit per function, so the decode shapes stay apart from the training forwards' (`engine.compile_blocks`
     compiles a function of its own too)."""
     return type(block).forward(block, *args, **kwargs)
-
-
-class DecodeBuffers:
-    """The KV cache and the decode step's state for one (rows, length) shape, at fixed addresses (a CUDA graph
-    of the step replays on them): `tokens` and `positions` `[rows, 1]` (the next step's input token and its
-    position), `slot` `[1]` (that token's cache slot), `mask` `[rows, length]` (True: a filled slot; `mask4d` is
-    the same memory as `[rows, 1, 1, length]`), the paged keys and values of every block and the page table
-    `table` `[rows, length / PAGE]` (`pages`, a `KVPages`), and what decoding has produced: `responses` `[rows,
-    length]` (each sampled token at its cache slot, the pad token after a row's stop token), `log_probs` `[rows,
-    length]` (float32) and `done` `[rows]`; `seed` `[1]` keys the sampling kernel's noise (drawn at `start`, one
-    more per token)."""
-
-    def __init__(
-        self,
-        attentions: list[nn.Module],
-        shape: AttentionShape,
-        rows: int,
-        length: int,
-        device: torch.device,
-        kv_dtype: torch.dtype | None = None,
-    ):
-        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.mask = torch.zeros(rows, length, dtype=torch.bool, device=device)
-        self.mask4d = self.mask[:, None, None, :]
-        self.pages = KVPages(attentions, shape, rows, length, device, kv_dtype)
-        self.table = self.pages.table
-        self.responses = torch.zeros(rows, length, dtype=torch.long, device=device)
-        self.log_probs = torch.zeros(rows, length, device=device)
-        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.seed = torch.zeros(1, dtype=torch.long, device=device)
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.fronts: dict[int, DecodeBuffers] = {}
-        self.root = self
-
-    def front(self, rows: int) -> DecodeBuffers:
-        """The first `rows` rows of these buffers as buffers of their own: views of the same memory, the same pages,
-        `slot` and `seed`, CUDA graphs of their own (kept here, for the next batch that compacts into them)."""
-        if rows not in self.fronts:
-            view = copy.copy(self)
-            for name in ROW_BUFFERS:
-                setattr(view, name, getattr(self, name)[:rows])
-            view.mask4d, view.table = view.mask[:, None, None, :], self.table[:rows]
-            view.graphs, view.fronts = {}, {}
-            self.fronts[rows] = view
-        return self.fronts[rows]
-
-    def move_rows(self, rows: torch.Tensor, into: DecodeBuffers) -> None:
-        """Copy rows `rows` `[n]` of every per-row buffer into `into` (a front of the same memory), in order (the
-        page table's rows move on the host: `KVPages.move`)."""
-        for name in ROW_BUFFERS:
-            getattr(into, name).copy_(getattr(self, name).index_select(0, rows))  # source and target share memory
-
-    def provide(self, unfinished: list[int], slots: int) -> None:
-        """Pages for the first `slots` slots to rows `unfinished`, back from the other rows (`KVPages.assign`); a
-        pool that grew drops the CUDA graphs of every front (they read the old one)."""
-        if self.pages.assign(unfinished, len(self.done), slots):
-            self.root.clear_graphs()
-            self.use()
-
-    def clear_graphs(self) -> None:
-        """Drop the CUDA graphs of these buffers and of their fronts (captured on weights or pools that have
-        moved), and capture the next ones into a new memory pool: the old one may still hold a graph's outputs,
-        and torch refuses to capture into a pool whose graphs are gone."""
-        self.graphs.clear()
-        self.pool = torch.cuda.graph_pool_handle() if self.pool is not None else None
-        for view in self.fronts.values():
-            view.graphs.clear()
-            view.pool = self.pool
-
-    def use(self, rows: slice = slice(None)) -> None:
-        """Point each block's attention module at its pools of keys and values here and at the page table's
-        `rows` (a forward of those rows only: a group of the prefill)."""
-        for attention, (keys, values) in zip(self.pages.attentions, self.pages.pools, strict=True):
-            attention.decode_kv = (keys, values, self.table[rows])
-
-    def start(self, attention_mask: torch.Tensor, positions: torch.Tensor, active_rows: int, pad_token_id: int):
-        """Set up for prompts `[rows, prompt_len]` whose last positions are `positions` `[rows, 1]`: the prompt's
-        slots filled and paged with the slots up to the first check, nothing decoded, rows from `active_rows` on
-        finished from the start."""
-        prompt_len = attention_mask.shape[1]
-        self.provide(list(range(active_rows)), prompt_len + CHECK_EVERY)
-        self.mask.zero_()
-        self.mask[:, :prompt_len] = attention_mask.bool()
-        self.positions.copy_(positions + 1)
-        self.slot.fill_(prompt_len - 1)
-        self.responses.fill_(pad_token_id)
-        self.log_probs.zero_()
-        self.done.zero_()
-        self.done[active_rows:] = True
-        if self.seed.is_cuda:  # keys the sampling kernel's noise; on the CPU, sampling draws from torch's generator
-            self.seed.random_(2**62)
 
 
 def _finished(device: torch.device) -> float:
@@ -434,7 +336,8 @@ class StaticDecoder:
         start = time.perf_counter()
         b = self._buffers(*shape, device)
         positions, last = self._positions(input_ids, attention_mask, images)
-        b.start(attention_mask, last, batch if active_rows is None else active_rows, pad_token_id)
+        active = batch if active_rows is None else active_rows
+        b.start(attention_mask, last, active, pad_token_id, prompt_len + CHECK_EVERY)
         experts = self._experts(batch, shape[1], device)
         logits = self._prefill(b, input_ids, attention_mask, positions, experts, images)
         prompt_s = _finished(device) - start if timed else 0.0
