@@ -162,7 +162,7 @@ def test_the_old_log_prob_pass_is_skipped(tiny_config, monkeypatch):
     ("setting", "why"),
     [
         ("rollout.name=vllm", "vLLM's kernels are its own"),
-        ("rollout.hf_decoding=static", "the static decoder fuses its own projections"),
+        ("rollout.kv_cache_dtype=fp8", "the rollout attends to rounded keys and values"),
         ("model.use_remove_padding=true", "packed forwards are not covered"),
         ("actor.lora.rank=8", "the rollout decodes merged weights, the actor adds adapters"),
     ],
@@ -171,8 +171,8 @@ def test_settings_it_cannot_hold_with_are_refused(setting, why):
     with pytest.raises(ConfigError) as refused:
         load_config(overrides=["rollout.exact_log_probs=true", setting])
     assert (
-        f"rollout.exact_log_probs=true needs the hf rollout's generate and the actor's padded eager forward in one "
-        f"process, and with {setting.replace('rank=8', 'rank > 0')} {why}: drop it or set "
+        f"rollout.exact_log_probs=true needs the hf rollout and the actor's padded eager forward in one process, "
+        f"and with {setting.replace('rank=8', 'rank > 0')} {why}: drop it or set "
         "rollout.exact_log_probs=false"
     ) in str(refused.value)
 

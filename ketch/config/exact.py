@@ -27,7 +27,6 @@ def exact_log_probs_problem(config: KetchConfig) -> str | None:
     refused = {
         "rollout.name=vllm": (r.name == "vllm", "vLLM's kernels are its own"),
         "rollout.tensor_parallel_size > 1": (r.tensor_parallel_size > 1, "the shards' partial matmuls are summed"),
-        "rollout.hf_decoding=static": (r.hf_decoding == "static", "the static decoder fuses its own projections"),
         "rollout.quantization=fp8": (r.quantization == "fp8", "the rollout decodes other weights"),
         "rollout.kv_cache_dtype=fp8": (r.kv_cache_dtype == "fp8", "the rollout attends to rounded keys and values"),
         "rollout.multi_turn.enable=true": (r.multi_turn.enable, "the turn loop is not covered"),
@@ -45,7 +44,7 @@ def exact_log_probs_problem(config: KetchConfig) -> str | None:
         return None
     key, why = given[0]
     return (
-        f"{KEY} needs the hf rollout's generate and the actor's padded eager forward in one process, and with "
+        f"{KEY} needs the hf rollout and the actor's padded eager forward in one process, and with "
         f"{key} {why}: drop it or set rollout.exact_log_probs=false"
     )
 

@@ -196,12 +196,12 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
             elif type(child).__name__ in _MOE_FORWARDS:
                 child.__class__ = _batch_invariant_class(type(child))
     AttentionInterface.register(ATTENTION, attention)
-    AttentionMaskInterface.register(ATTENTION, _boolean_mask)
+    AttentionMaskInterface.register(ATTENTION, boolean_mask)
     model.set_attn_implementation(ATTENTION)
     return model
 
 
-def _boolean_mask(*args, **kwargs) -> torch.Tensor:
+def boolean_mask(*args, **kwargs) -> torch.Tensor:
     """transformers' SDPA mask, `[batch, 1, q_len, kv_len]` booleans, always built (never skipped as causal)."""
     from transformers.masking_utils import sdpa_mask
 

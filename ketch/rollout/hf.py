@@ -19,6 +19,7 @@ from ketch.models.router_replay import ExpertRouting
 from ketch.models.vision import image_model_inputs, placeholder_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
+from ketch.rollout.exact_decoding import ExactDecoder
 from ketch.rollout.fp8 import FP8Projections
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
@@ -48,9 +49,8 @@ class HFRollout(Rollout):
         self.tokenizer, self.pad_token_id = tokenizer, tokenizer.pad_token_id
         self.stop_token_ids = stop_token_ids(tokenizer, model_path, config.rollout.stop_token_ids)
         self.never_sampled = placeholder_token_ids(self.model.config)
-        static = config.rollout.hf_decoding == "static" or (
-            config.rollout.hf_decoding == "auto" and device.type == "cuda" and not config.rollout.exact_log_probs
-        )
+        decoding = config.rollout.hf_decoding
+        static = decoding == "static" or (decoding == "auto" and device.type == "cuda")
         if static and (problem := static_decoding_problem(self.model)):
             if config.rollout.kv_cache_dtype == "fp8":
                 raise ValueError(
@@ -63,7 +63,8 @@ class HFRollout(Rollout):
         longest = config.data.max_prompt_length
         settings = {"longest_prompt": longest, "never_sampled": self.never_sampled}
         settings["kv_dtype"] = torch.float8_e4m3fn if config.rollout.kv_cache_dtype == "fp8" else None
-        self.decoder = StaticDecoder(self.model, compiled, **settings) if static else None
+        decoder = ExactDecoder if config.rollout.exact_log_probs else StaticDecoder  # the training forward's ops
+        self.decoder = decoder(self.model, compiled, **settings) if static else None
         fp8 = config.rollout.quantization == "fp8"
         self.fp8 = FP8Projections(decoder_blocks(self.model)) if fp8 else None
         self.routing = ExpertRouting(self.model).attach() if config.actor.router_replay != "off" else None
@@ -91,7 +92,7 @@ class HFRollout(Rollout):
     def warm_up(self, prompts: DataProto) -> None:
         """With a compiled static decoder: two tokens for `prompts`, which load (or compile) the decode step of
         their shape and capture it, as the first `generate` of that shape would."""
-        if self.decoder is not None and self.decoder.compiled:
+        if self.decoder is not None and (self.decoder.compiled or self.decoder.capture):
             self._decode_together(prompts, partial(self._decode, stop_after=2))
 
     def _decode_together(self, prompts: DataProto, decode) -> tuple:

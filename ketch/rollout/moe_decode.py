@@ -50,6 +50,11 @@ def decoding():
         _decoding = previous
 
 
+def in_decode_step() -> bool:
+    """Whether the code running is inside `decoding()`."""
+    return _decoding
+
+
 def reads_every_expert(tokens: int, top_k: int, experts: int) -> bool:
     """Whether a step of `tokens` tokens choosing `top_k` of `experts` experts each runs `dense` (reading every
     expert once costs less than gathering the chosen ones)."""

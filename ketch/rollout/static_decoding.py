@@ -84,6 +84,9 @@ def _finished(device: torch.device) -> float:
 class StaticDecoder:
     """Greedy or sampled decoding of left-padded prompts with `model` (a HF causal LM)."""
 
+    min_rows = 1
+    """With buckets, a batch decodes in at least this many rows."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -94,6 +97,7 @@ class StaticDecoder:
         compact_remaining: int = COMPACT_REMAINING,
         never_sampled: list[int] | None = None,
         kv_dtype: torch.dtype | None = None,
+        capture: bool | None = None,
     ):
         """`compile_step` compiles each transformer block (one graph shared by all, `backend` is torch.compile's)
         and on CUDA captures the decode step into a CUDA graph per shape; `buckets` (default: when compiling)
@@ -102,7 +106,8 @@ class StaticDecoder:
         least `compact_remaining` tokens to go (`COMPACT_REMAINING`). Tokens `never_sampled` (a vision-language
         model's image placeholders) are never sampled, and the log-probs stay those of the model's whole
         distribution, as `generate`'s with `suppress_tokens`. `kv_dtype` is the KV cache's (default: the model's;
-        `torch.float8_e4m3fn` for `rollout.kv_cache_dtype=fp8`)."""
+        `torch.float8_e4m3fn` for `rollout.kv_cache_dtype=fp8`). `capture` (default: `compile_step`) captures the
+        step into CUDA graphs on CUDA, compiled or not."""
         self.model = model
         device = next(model.parameters()).device
         self.never_sampled = torch.tensor(never_sampled, device=device) if never_sampled else None
@@ -113,20 +118,19 @@ class StaticDecoder:
         problem = static_decoding_problem(model)
         if problem:
             raise ValueError(f"static decoding: {type(model).__name__} cannot be decoded here: {problem}")
-        use_cached_attention(model)
         self.blocks = decoder_blocks(model)
         self.attentions = [block_attention(block) for block in self.blocks]
         self.shape = attention_shape(model.config)
-        fuse_projections(self.blocks)
-        other_experts = use_fixed_shape_experts(self.blocks)
+        other_experts = self._use_decode_forwards()
         self.caches: dict[tuple[int, int], DecodeBuffers] = {}
         self.seen: set[tuple] = set()  # shapes (and shapes with a sampling key) decoded before: logged once
         self.stop_tables: dict[tuple[int, ...], torch.Tensor] = {}
         self.compiled = compile_step
-        no_graph = cuda_graph_problem(model.config) if compile_step else None
-        if compile_step and not no_graph and other_experts:
+        capture = compile_step if capture is None else capture
+        no_graph = cuda_graph_problem(model.config) if capture else None
+        if capture and not no_graph and other_experts:
             no_graph = f"its experts ({', '.join(other_experts)}) are not of a layout with fixed-shape decoding"
-        self.capture = compile_step and no_graph is None
+        self.capture = capture and no_graph is None
         if no_graph and next(model.parameters()).is_cuda:
             logger.info("%s decodes compiled, without CUDA graphs: %s", type(model).__name__, no_graph)
         self.weights: list[int] = []
@@ -146,6 +150,13 @@ class StaticDecoder:
                 compiled_sampler("cuda").load()
             for block in self.blocks:
                 block.forward = partial(compiled, block)
+
+    def _use_decode_forwards(self) -> list[str]:
+        """Switch the model to the decoder's attention over its KV cache, fused projections and fixed-shape experts;
+        returns the class names of experts modules left as they were (`use_fixed_shape_experts`)."""
+        use_cached_attention(self.model)
+        fuse_projections(self.blocks)
+        return use_fixed_shape_experts(self.blocks)
 
     def release(self) -> None:
         """Drop every shape's KV cache and CUDA graphs, and the attention modules' references to the last one used
@@ -223,13 +234,7 @@ class StaticDecoder:
         """Sample each row's next token from `logits` `[rows, vocab]` and make it the next step's input: it takes
         the slot after `b.slot`, where `b.responses` and `b.log_probs` get it (the pad token and 0 in rows that had
         finished before it); a stop token finishes its row."""
-        if self.never_sampled is None:
-            token, log_prob = sampling.sample(logits, b.seed)
-        else:
-            masked = logits.index_fill(1, self.never_sampled, float("-inf"))
-            token, log_prob = sampling.sample(masked, b.seed)
-            scale = sampling.temperature if sampling.do_sample else 1.0
-            log_prob += (masked.float() / scale).logsumexp(-1) - (logits.float() / scale).logsumexp(-1)
+        token, log_prob = self._sample(logits, sampling, b.seed)
         b.seed.add_(1)
         slot = b.slot + 1
         b.responses.index_copy_(1, slot, token.masked_fill(b.done, pad)[:, None])
@@ -238,6 +243,18 @@ class StaticDecoder:
         b.tokens.copy_(token[:, None])
         b.mask.index_fill_(1, slot, True)
         b.slot.copy_(slot)
+
+    def _sample(
+        self, logits: torch.Tensor, sampling: Sampling, seed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-prob `[rows]` from `logits` `[rows, vocab]`, never a token of
+        `never_sampled` (the log-prob is still the whole distribution's); `seed` `[1]` keys the noise."""
+        if self.never_sampled is None:
+            return sampling.sample(logits, seed)
+        masked = logits.index_fill(1, self.never_sampled, float("-inf"))
+        token, log_prob = sampling.sample(masked, seed)
+        scale = sampling.temperature if sampling.do_sample else 1.0
+        return token, log_prob + ((masked.float() / scale).logsumexp(-1) - (logits.float() / scale).logsumexp(-1))
 
     def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
         """One token: the decode step of `b.tokens` (experts of fixed shapes: `moe_decode.decoding`), then `_record`
@@ -293,15 +310,15 @@ class StaticDecoder:
         `images`, each row's `multi_modal_inputs` for a vision-language model: read at prefill).
         After a row's first stop token its tokens are `pad_token_id` (log-prob 0); `stop_token_ids=None`
         decodes every row to the full length. With `buckets`, the batch runs padded to the next power of two
-        rows and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a few compiled shapes
-        serve every batch; the padding rows are dropped from the result. `stop_after` decodes only that many
-        tokens (the rest are `pad_token_id`) in the shape of `max_new_tokens`: a warm-up, or a partial rollout's
-        round, whose prompts may be longer than the longest prompt (see `_length`)."""
+        rows (at least `min_rows`) and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a
+        few compiled shapes serve every batch; the padding rows are dropped from the result. `stop_after` decodes
+        only that many tokens (the rest are `pad_token_id`) in the shape of `max_new_tokens`: a warm-up, or a
+        partial rollout's round, whose prompts may be longer than the longest prompt (see `_length`)."""
         rows, prompt_len = input_ids.shape
         args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
         if not self.buckets:
             return self._generate(input_ids, attention_mask, *args, images=images)
-        extra_rows = (1 << (rows - 1).bit_length()) - rows
+        extra_rows = max(self.min_rows, 1 << (rows - 1).bit_length()) - rows
         extra_len = -prompt_len % PROMPT_BUCKET
         room = self.longest_prompt + max_new_tokens - min(max_new_tokens, stop_after or max_new_tokens) - prompt_len
         if prompt_len > self.longest_prompt and room >= 0:  # a continuation: padded no further than the shape holds
@@ -406,14 +423,15 @@ class StaticDecoder:
         return max(prompt_len, self.longest_prompt) + max_new_tokens
 
     def _compacts(self, unfinished: int, rows: int, remaining: int) -> bool:
-        """Whether a batch of `rows` rows with `unfinished` rows left and up to `remaining` tokens to go compacts."""
-        return self.buckets and unfinished <= rows // 2 and remaining >= self.compact_remaining
+        """Whether a batch of `rows` rows with `unfinished` rows left and up to `remaining` tokens to go compacts
+        (into no fewer than `min_rows` rows)."""
+        return self.buckets and max(unfinished, self.min_rows) <= rows // 2 and remaining >= self.compact_remaining
 
     def _compact(self, root: DecodeBuffers, b: DecodeBuffers, unfinished: torch.Tensor) -> DecodeBuffers:
         """Rows `unfinished` `[n]` of `b` moved into the first rows of `root`'s memory, as the buffers of the next
-        power of two rows (`root.front`), whose other rows repeat the first of them, finished (their pages the
-        scratch page). The rows' pages move by their page table rows."""
-        size = 1 << (len(unfinished) - 1).bit_length()
+        power of two rows, at least `min_rows` (`root.front`), whose other rows repeat the first of them, finished
+        (their pages the scratch page). The rows' pages move by their page table rows."""
+        size = max(self.min_rows, 1 << (len(unfinished) - 1).bit_length())
         small = root.front(size)
         b.move_rows(torch.cat([unfinished, unfinished[:1].expand(size - len(unfinished))]), small)
         root.pages.move(unfinished.tolist(), len(b.done))
