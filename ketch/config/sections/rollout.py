@@ -116,9 +116,11 @@ class RolloutConfig:
     """hf rollout: the rollout and the actor compute batch-invariantly (`ketch.models.batch_invariant`: matmuls in
     blocks of 16 rows, attention over keys in blocks of 64 in one order, one log-softmax per row), so the rollout's
     log-probs of the sampled tokens equal the actor's training forward's bit for bit; they serve as old_log_prob
-    (as with actor.old_log_prob_from_rollout) and the old-log-prob pass is skipped. Decodes with `generate` and
-    trains on padded batches, eagerly; Llama, Qwen2, Qwen3 and Qwen3-MoE models, single-turn, without tensor or
-    sequence parallelism, LoRA or FP8 (start-up says which setting stops it)."""
+    (as with actor.old_log_prob_from_rollout) and the old-log-prob pass is skipped. Decodes with the static
+    decoder in its exact mode (the training forward's ops, the eager step captured into CUDA graphs on GPUs) or
+    with `generate` (rollout.hf_decoding), and trains on padded batches, eagerly; Llama, Qwen2, Qwen3 and Qwen3-MoE
+    models, single-turn, without tensor or sequence parallelism, LoRA or FP8 (start-up says which setting stops
+    it)."""
     check_weight_sync: bool = False
     """Debug: after each weight hand-off, compare one weight's norm in the rollout engine with the actor's."""
     free_memory_while_training: bool = False
