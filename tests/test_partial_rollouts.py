@@ -158,7 +158,6 @@ def test_the_staleness_bound_drops_the_trajectories_begun_too_long_ago(
     ("overrides", "match"),
     [
         (["actor.rollout_is=null"], "set actor.rollout_is=token"),
-        (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculate]"], "rollout.multi_turn.enable"),
         (["algorithm.adv_estimator=remax"], "does not support algorithm.adv_estimator=remax"),
         (["rollout.partial.round_tokens=2", "rollout.partial.max_staleness=1"], "2 x 2 tokens"),
         (["rollout.partial.over_sample=0.5"], "rollout.partial.over_sample"),

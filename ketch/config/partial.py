@@ -16,7 +16,7 @@ def in_flight_prompts(config: KetchConfig) -> int:
 
 def round_tokens(config: KetchConfig) -> int:
     """Tokens an unfinished trajectory generates per round (`rollout.partial.round_tokens`, whose None is
-    `data.max_response_length / (max_staleness + 1)` rounded up)."""
+    `data.max_response_length / (max_staleness + 1)` rounded up); multi-turn: tokens it samples, over its turns."""
     p = config.rollout.partial
     return p.round_tokens or -(-config.data.max_response_length // (p.max_staleness + 1))
 
@@ -27,7 +27,6 @@ def partial_rollout_problem(config: KetchConfig) -> str | None:
     if not p.enable:
         return None
     refused = {
-        "rollout.multi_turn.enable=true": c.rollout.multi_turn.enable,
         "algorithm.filter_groups.enable=true": c.algorithm.filter_groups.enable,
         "rollout.staleness=1": c.rollout.staleness > 0,
         "algorithm.adv_estimator=remax": c.algorithm.adv_estimator == "remax",
@@ -35,8 +34,8 @@ def partial_rollout_problem(config: KetchConfig) -> str | None:
     given = [key for key, on in refused.items() if on]
     if given:
         return (
-            f"rollout.partial.enable=true continues single-turn trajectories from the driver and "
-            f"does not support {given[0]} yet; set rollout.partial.enable=false or drop {given[0]}"
+            f"rollout.partial.enable=true does not support {given[0]} yet; set rollout.partial.enable=false or drop "
+            f"{given[0]}"
         )
     if c.actor.rollout_is is None:
         also = f" and {old_log_prob_key(c).replace('true', 'false')}" if c.old_log_prob_from_rollout else ""
@@ -60,9 +59,14 @@ def describe_partial_rollouts(config: KetchConfig) -> str:
     if not p.enable:
         return "off: every step generates its prompts' responses to the end (rollout.partial.enable=false)"
     a = c.actor
+    tokens = (
+        "sampled tokens (over its turns; a cut turn goes on at the next round)"
+        if c.rollout.multi_turn.enable
+        else "tokens"
+    )
     return (
         f"on: {in_flight_prompts(c)} prompts in flight for {c.data.train_batch_size} a step (over_sample "
-        f"{p.over_sample:g}), rounds of {round_tokens(c)} tokens a trajectory, a trajectory spans at most "
+        f"{p.over_sample:g}), rounds of {round_tokens(c)} {tokens} a trajectory, a trajectory spans at most "
         f"{p.max_staleness + 1} steps (max_staleness {p.max_staleness}); its older tokens weighted by truncated "
         f"importance sampling (actor.rollout_is={a.rollout_is}, at most {a.rollout_is_threshold:g})"
     )

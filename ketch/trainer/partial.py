@@ -10,6 +10,11 @@ step, whose weights are newer. A group is used only when all its samples are fin
 see whole groups. The tokens a trajectory sampled in earlier steps keep the log-probs of the weights that sampled
 them (`rollout_log_probs`), which truncated importance sampling (`actor.rollout_is`) corrects against.
 
+Multi-turn rollouts (`rollout.multi_turn`) carry more than tokens: a row then holds the trajectory as the turn loop
+left it (`ketch/rollout/multi_turn/trajectory.py`: the rendered prompt, tokens with their sampled mask and log-probs,
+the conversation, the counts, a turn a round cut), and a round hands the rows to the rollout with `round_tokens`,
+which continues each one (its environment rebuilt from the row) and returns the rows as they are after the round.
+
 Every prompt the loader gives enters the buffer once and leaves it once, trained; the buffer is saved with the
 checkpoint (`PARTIAL_FILE`), so a resumed run continues the same trajectories.
 """
@@ -20,12 +25,20 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ketch.config.partial import in_flight_prompts, round_tokens
 from ketch.config.schema import KetchConfig
 from ketch.protocol import DataProto
 from ketch.rollout.base import assemble_sequences
+from ketch.rollout.multi_turn.trajectory import (
+    CARRIED_COLUMNS,
+    CARRIED_TENSORS,
+    ROUND_TOKENS,
+    not_begun,
+    rollout_fields,
+)
 from ketch.trainer.dynamic_sampling import same_prompt_width
 
 logger = logging.getLogger("ketch")
@@ -44,14 +57,17 @@ class PartialRollouts:
     samples of a prompt adjacent; besides the prompt (`input_ids`, `attention_mask` `[rows, prompt_len]`) and its
     non-tensor columns (`uid` among them) a row holds `responses` and `rollout_log_probs` `[rows,
     max_response_length]` (pad token and 0 after the tokens so far), `response_length`, `finished` and `first_step`
-    (the step of its first token; 0 before it begins) `[rows]`. The rows are never changed in place: every stage
-    makes new tensors, so the buffer of the last completed step stays whole while a step runs."""
+    (the step of its first token; 0 before it begins) `[rows]`. With multi-turn rollouts a row holds the carried
+    trajectory's columns instead of the prompt and those tensors (`CARRIED_TENSORS`, `CARRIED_COLUMNS`), besides
+    `first_step`. The rows are never changed in place: every stage makes new tensors, so the buffer of the last
+    completed step stays whole while a step runs."""
 
     def __init__(self, config: KetchConfig, pad_token_id: int):
         self.n, self.batch_size = config.rollout.n, config.data.train_batch_size
         self.in_flight, self.round_tokens = in_flight_prompts(config), round_tokens(config)
         self.max_staleness = config.rollout.partial.max_staleness
         self.max_length, self.pad_token_id = config.data.max_response_length, pad_token_id
+        self.multi_turn, self.prompt_width = config.rollout.multi_turn.enable, config.data.max_prompt_length
         self.rows: DataProto | None = None
         self.before: tuple[int, DataProto | None] = (0, None)
 
@@ -76,16 +92,10 @@ class PartialRollouts:
 
     # ----------------------------------------------------------------- stages
     def _add(self, rows: DataProto | None, prompts: DataProto) -> DataProto:
-        """`rows` with the expanded `prompts` appended as samples not begun yet."""
-        count, width = len(prompts), self.max_length
-        fresh = prompts.select(batch_keys=PROMPT_KEYS, meta_keys=[])
-        fresh.batch |= {
-            "responses": torch.full((count, width), self.pad_token_id, dtype=prompts.batch["input_ids"].dtype),
-            "rollout_log_probs": torch.zeros(count, width),
-            "response_length": torch.zeros(count, dtype=torch.long),
-            "finished": torch.zeros(count, dtype=torch.bool),
-            "first_step": torch.zeros(count, dtype=torch.long),
-        }
+        """`rows` with the expanded `prompts` appended as samples not begun yet (multi-turn: without the prompt's
+        tensors, which the rollout renders again from the row)."""
+        fresh = prompts.select(batch_keys=[] if self.multi_turn else PROMPT_KEYS, meta_keys=[])
+        fresh = fresh.union(self._not_begun(len(prompts), prompts.batch["input_ids"].dtype))
         if rows is None or len(rows) == 0:
             return fresh
         return DataProto.concat(same_prompt_width([rows.select(), fresh], self.pad_token_id))
@@ -100,16 +110,23 @@ class PartialRollouts:
         }
         if not stale.any():
             return rows, metrics
-        keep = ~stale.unsqueeze(-1)
-        rows = rows.select()
-        rows.batch |= {
-            "responses": torch.where(keep, b["responses"], self.pad_token_id),
-            "rollout_log_probs": torch.where(keep, b["rollout_log_probs"], 0.0),
-            "response_length": torch.where(stale, 0, b["response_length"]),
-            "finished": b["finished"] & ~stale,
-            "first_step": torch.where(stale, 0, b["first_step"]),
-        }
-        return rows, metrics
+        return _where(stale, self._not_begun(len(rows), b["responses"].dtype), rows), metrics
+
+    def _not_begun(self, count: int, dtype: torch.dtype) -> DataProto:
+        """The trajectory columns of `count` rows not begun (`responses` of `dtype`, the prompts' token type)."""
+        if self.multi_turn:
+            state = not_begun(count, self.prompt_width, self.max_length, self.pad_token_id)
+        else:
+            state = DataProto.from_dict(
+                {
+                    "responses": torch.full((count, self.max_length), self.pad_token_id, dtype=dtype),
+                    "rollout_log_probs": torch.zeros(count, self.max_length),
+                    "response_length": torch.zeros(count, dtype=torch.long),
+                    "finished": torch.zeros(count, dtype=torch.bool),
+                }
+            )
+        state.batch["first_step"] = torch.zeros(count, dtype=torch.long)
+        return state
 
     def _generate(self, rows: DataProto, step: int, generate: Generate) -> tuple[DataProto, int]:
         """Rounds of `round_tokens` tokens for the unfinished samples of the groups in flight, until
@@ -125,6 +142,8 @@ class PartialRollouts:
     def _continue(self, part: DataProto, step: int, generate: Generate) -> DataProto:
         """`part`'s trajectories, each continued for up to `round_tokens` tokens (fewer where it stops or reaches
         `data.max_response_length`): the backend's prompt is a row's prompt and response so far (`continuation`)."""
+        if self.multi_turn:
+            return self._continue_turns(part, step, generate)
         b = part.batch
         allowed = (self.max_length - b["response_length"]).clamp(max=self.round_tokens)
         inputs = continuation(
@@ -145,6 +164,19 @@ class PartialRollouts:
             "finished": (produced <= allowed) | (length >= self.max_length),
             "first_step": torch.where(b["first_step"] > 0, b["first_step"], step),
         }
+        return part
+
+    def _continue_turns(self, part: DataProto, step: int, generate: Generate) -> DataProto:
+        """`part`'s multi-turn trajectories, each continued by the rollout for up to `round_tokens` sampled tokens
+        (over as many turns as fit; `MultiTurnRollout`), which returns their carried columns."""
+        inputs = part.select(batch_keys=CARRIED_TENSORS, meta_keys=[])
+        inputs.meta_info[ROUND_TOKENS] = self.round_tokens
+        out = generate(inputs)
+        first_step = part.batch["first_step"]
+        part = part.select()
+        part.batch |= {key: out.batch[key] for key in CARRIED_TENSORS}
+        part.batch["first_step"] = torch.where(first_step > 0, first_step, step)
+        part.non_tensor_batch |= {key: out.non_tensor_batch[key] for key in CARRIED_COLUMNS}
         return part
 
     def _take(self, rows: DataProto) -> tuple[DataProto, DataProto]:
@@ -176,6 +208,9 @@ class PartialRollouts:
         """The finished groups as `Rollout.generate` returns a batch, with the prompts' non-tensor columns and
         `first_step`."""
         b = batch.batch
+        if self.multi_turn:
+            fields = rollout_fields(b) | {"first_step": b["first_step"]}
+            return DataProto.from_dict(fields, batch.non_tensor_batch)
         prompts = _left_padded(DataProto.from_dict({k: b[k] for k in PROMPT_KEYS}), self.pad_token_id)
         response_mask = (torch.arange(self.max_length) < b["response_length"].unsqueeze(-1)).long()
         out = assemble_sequences(prompts, b["responses"], response_mask)
@@ -194,10 +229,24 @@ class PartialRollouts:
         of a run without partial rollouts)."""
         self.rows = DataProto.load_from_disk(path) if path is not None and path.is_file() else None
         self.before = (0, None)
-        if self.rows is not None and not self._fits(self.rows):
+        if self.rows is None:
+            return
+        if ("turn_tokens" in self.rows.batch) != self.multi_turn:
+            kind = "multi-turn" if self.multi_turn else "single-turn"
+            raise ValueError(
+                f"{path} holds the trajectories of a run with rollout.multi_turn.enable={not self.multi_turn}, which "
+                f"this run's {kind} rollouts cannot continue: resume with the checkpoint's value"
+            )
+        if not self._fits(self.rows):
             raise ValueError(
                 f"{path} holds trajectories of another rollout.n or data.max_response_length than this run's "
                 f"({self.n}, {self.max_length}): resume with the checkpoint's values"
+            )
+        if self.multi_turn and self.rows.batch["prompts"].shape[-1] != self.prompt_width:
+            raise ValueError(
+                f"{path} holds multi-turn trajectories whose prompts are padded to "
+                f"{self.rows.batch['prompts'].shape[-1]} tokens, not this run's data.max_prompt_length="
+                f"{self.prompt_width}: resume with the checkpoint's value"
             )
 
     def _fits(self, rows: DataProto) -> bool:
@@ -252,4 +301,18 @@ def _replace_rows(rows: DataProto, index: torch.Tensor, part: DataProto) -> Data
     """A copy of `rows` whose rows `index` are `part`'s (same keys and widths)."""
     out = rows.select()
     out.batch = {k: v.index_copy(0, index, part.batch[k]) for k, v in rows.batch.items()}
+    out.non_tensor_batch = {k: v.copy() for k, v in rows.non_tensor_batch.items()}
+    for key, values in out.non_tensor_batch.items():
+        values[index.numpy()] = part.non_tensor_batch[key]
+    return out
+
+
+def _where(rows_chosen: torch.Tensor, chosen: DataProto, others: DataProto) -> DataProto:
+    """A copy of `others` whose `chosen`'s columns are `chosen`'s in the rows `rows_chosen` `[rows]` (bool)."""
+    out = others.select()
+    for key, value in chosen.batch.items():
+        where = rows_chosen.view(-1, *[1] * (value.dim() - 1))
+        out.batch[key] = torch.where(where, value, others.batch[key])
+    for key, value in chosen.non_tensor_batch.items():
+        out.non_tensor_batch[key] = np.where(rows_chosen.numpy(), value, others.non_tensor_batch[key])
     return out

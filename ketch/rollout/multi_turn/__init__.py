@@ -12,10 +12,11 @@ from ketch.config.schema import KetchConfig
 from ketch.rollout.base import Rollout
 from ketch.rollout.multi_turn import builtin_tools  # noqa: F401  (registers `calculate` and `python`)
 from ketch.rollout.multi_turn.environment import Environment, ToolEnvironment
-from ketch.rollout.multi_turn.loop import TRAJECTORY_COLUMNS, MultiTurnRollout
+from ketch.rollout.multi_turn.loop import MultiTurnRollout
 from ketch.rollout.multi_turn.metrics import trajectory_metrics
 from ketch.rollout.multi_turn.parsers import ToolCall, get_parser, register_parser
 from ketch.rollout.multi_turn.tools import Tool, ToolError, make_tool, register_tool, resolve_tools, tool
+from ketch.rollout.multi_turn.trajectory import TRAJECTORY_COLUMNS
 
 __all__ = [
     "TRAJECTORY_COLUMNS",

@@ -1,5 +1,13 @@
 """Environments: what answers the model between its turns. `ToolEnvironment` runs the model's tool calls;
 a user's class (`rollout.multi_turn.environment=path/to/env.py:Name`) can be any task with the same two methods.
+
+With partial rollouts (`rollout.partial`) a trajectory continues in a later `generate` call, maybe in another
+process or after a resume, so an environment is never kept between calls: each call makes a new one and brings it
+to where the trajectory was (`restore_environment`). It calls `reset(row)` with the same row, then the class's
+optional `restore(messages)` hook with the conversation up to the environment's last answer; a class without the
+hook gets `step` again on each of the model's turns in that conversation, in order, and each replayed answer must be
+the one the conversation holds (so `reset` and `step` must answer the same conversation the same way; an environment
+that samples its answers, or whose steps have effects that must not happen twice, defines `restore`).
 """
 
 from __future__ import annotations
@@ -25,12 +33,44 @@ class Environment(Protocol):
     """One trajectory's counterpart. `reset(row)` gets the dataset row (its columns by name) and returns the
     opening messages; `step(messages)` gets the conversation so far (the model's turn last) and returns
     (messages to append, reward or None, done). Optional attributes: `tools` (JSON schemas the chat template
-    shows the model), `stop` (strings after which the model's turn ends, e.g. the end of a tool call) and
-    `stats` (numbers summed into the rollout metrics)."""
+    shows the model), `stop` (strings after which the model's turn ends, e.g. the end of a tool call),
+    `stats` (numbers summed into the rollout metrics) and the method `restore(messages)`, which partial rollouts call
+    after `reset(row)` to continue a conversation (see the module docstring)."""
 
     def reset(self, row: dict[str, Any]) -> list[Message]: ...
 
     def step(self, messages: list[Message]) -> tuple[list[Message], float | None, bool]: ...
+
+
+def restore_environment(env: Environment, row: dict[str, Any], messages: list[Message]) -> None:
+    """Bring a new `env` to the state it had after answering the last of `messages` (the opening messages, then
+    each model turn followed by the environment's answer): `reset(row)`, then `restore(messages)` where the class
+    defines it, else `step` replayed on each model turn.
+
+    Raises:
+        ValueError: If a replayed answer differs from the one `messages` holds (or says the conversation was done):
+            the environment does not answer a conversation the same way twice.
+    """
+    opening = env.reset(row)
+    if hasattr(env, "restore"):
+        env.restore(messages)
+        return
+    if list(opening) != messages[: len(opening)]:
+        raise ValueError(
+            f"reset(row) now opens with {list(opening)!r}, not with the carried {messages[: len(opening)]!r}: a "
+            "carried conversation continues only where reset answers the same row the same way (or the environment "
+            "defines restore(messages))"
+        )
+    turn = len(opening)
+    while turn < len(messages):
+        answer, _, done = env.step(messages[: turn + 1])
+        held = messages[turn + 1 : turn + 1 + len(answer)]
+        if done or list(answer) != held:
+            raise ValueError(
+                f"replaying step on the carried conversation's message {turn} gave {list(answer)!r} (done={done}), "
+                f"not the carried {held!r}: define restore(messages) for an environment whose answers vary"
+            )
+        turn += 1 + len(answer)
 
 
 def row_messages(row: dict[str, Any]) -> list[Message]:
@@ -65,6 +105,10 @@ class ToolEnvironment:
                 raise ValueError(f"the row allows tools {unknown} that are not loaded (rollout.multi_turn.tools)")
             self.tools_by_name = {name: self.all_tools[name] for name in allowed}
         return row_messages(row)
+
+    def restore(self, messages: list[Message]) -> None:
+        """Nothing to restore after `reset(row)` (which picks the row's tools): no tool call's state outlives its
+        turn, and the carried conversation's calls are not run again."""
 
     def step(self, messages: list[Message]) -> tuple[list[Message], None, bool]:
         calls = self.parser(messages[-1]["content"])

@@ -6,6 +6,17 @@ trajectory goes on until its environment is done, `max_turns` turns, or `data.ma
 A turn ends at a stop token, after its environment's stop string (the end of a tool call), or after
 `rollout.multi_turn.max_tokens_per_turn` tokens. Token-in, token-out: sampled tokens are kept as sampled, the
 rest is tokenized once (`ChatRenderer`).
+
+Partial rollouts (`rollout.partial`, `meta_info["round_tokens"]`): a call is one round. The rows then carry their
+trajectories (`trajectory.py`): one not begun starts, one under way continues, and each samples at most
+`round_tokens` tokens in this call, over as many turns as fit; the call returns the carried rows, `finished` set
+where the trajectory ended. A round's budget may cut a turn: the turn goes on at the next round from its tokens so
+far (`turn_tokens`), its stop strings and `max_tokens_per_turn` counted over the whole turn, so the turn is the one
+an uncut call would have sampled. Rounds are cut by tokens, not at turn boundaries, because what partial rollouts
+bound is the time a step waits for its longest trajectories: in reasoning tasks one turn can be most of a
+trajectory, and a round that had to finish its turns would wait for the longest of them. Environments are not kept
+between rounds (the next round may run in another process, or after a resume): each call rebuilds them from the
+row and the conversation (`restore_environment`).
 """
 
 from __future__ import annotations
@@ -13,44 +24,26 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-import numpy as np
 import torch
-from torch import nn
 
 from ketch.config.schema import KetchConfig
 from ketch.data.conversation import ChatRenderer
-from ketch.protocol import DataProto, object_array
+from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout
-from ketch.rollout.multi_turn.environment import Environment
-
-TRAJECTORY_COLUMNS = ("num_turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_time", "cut_by_max_turns")
-"""Per-trajectory numbers the rollout returns as non-tensor columns (float64 `[batch]`), besides `messages`,
-`cut_by_length` and `env_reward` (NaN where the environment gave none)."""
-
-
-@dataclass
-class Trajectory:
-    """One row's conversation and its response tokens: `sampled` marks the model's own tokens."""
-
-    prompt_ids: list[int]
-    messages: list[dict[str, Any]]
-    stop: tuple[str, ...] = ()
-    tokens: list[int] = field(default_factory=list)
-    sampled: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    num_turns: int = 0
-    reward: float | None = None
-    cut_by_max_turns: bool = False
-
-    def extend(self, tokens: Iterable[int], log_probs: Iterable[float] | None) -> None:
-        tokens = list(tokens)
-        self.tokens += tokens
-        self.sampled += [1 if log_probs is not None else 0] * len(tokens)
-        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(tokens)
+from ketch.rollout.multi_turn.environment import Environment, restore_environment
+from ketch.rollout.multi_turn.trajectory import (
+    CARRIED_COLUMNS,
+    ROUND_TOKENS,
+    STAT_COLUMNS,
+    Trajectory,
+    carried_trajectory,
+    left_padded,
+    rollout_fields,
+    trajectory_rows,
+)
 
 
 class MultiTurnRollout(Rollout):
@@ -60,7 +53,9 @@ class MultiTurnRollout(Rollout):
     returns the `Rollout` fields with these differences: `prompts` are the opening messages re-rendered with
     the tools (left-padded to `data.max_prompt_length`); `responses` hold every turn and every environment
     answer, `attention_mask` is 1 on all of them, `response_mask` and `rollout_log_probs` only on sampled
-    tokens. Non-tensor columns: `messages` (the whole conversation) and `TRAJECTORY_COLUMNS`."""
+    tokens. Non-tensor columns: `messages` (the whole conversation) and `TRAJECTORY_COLUMNS`. With
+    `meta_info["round_tokens"]` (a round of partial rollouts) the rows also hold the carried columns
+    (`CARRIED_TENSORS`, `CARRIED_COLUMNS`), and so does the result, instead of the `Rollout` fields."""
 
     def __init__(self, backend: Rollout, config: KetchConfig, tokenizer, new_environment: Callable[[], Environment]):
         self.backend, self.tokenizer, self.new_environment = backend, tokenizer, new_environment
@@ -73,38 +68,51 @@ class MultiTurnRollout(Rollout):
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
+        meta_info = dict(prompts.meta_info)
+        round_tokens = meta_info.pop(ROUND_TOKENS, None)
         envs = [self.new_environment() for _ in range(len(prompts))]
-        trajectories = [self._start(i, env, prompts) for i, env in enumerate(envs)]
-        active = list(range(len(trajectories)))
-        for turn in range(self.max_turns):
-            self._sample_turn([trajectories[i] for i in active], prompts.meta_info)
-            active = [i for i in active if len(trajectories[i].tokens) < self.max_response_length]
-            answers = self.steps.map(lambda i: _step(i, envs[i], trajectories[i].messages), active)
-            last = turn == self.max_turns - 1
-            going_on = [self._answer(trajectories[i], envs[i], a, last) for i, a in zip(active, answers, strict=True)]
-            active = [i for i, keep in zip(active, going_on, strict=True) if keep]
-            if not active:
-                break
-        return self._output(trajectories, envs, prompts.batch["input_ids"].device)
+        trajectories = [self._begin(i, env, prompts) for i, env in enumerate(envs)]
+        active = [i for i, t in enumerate(trajectories) if not t.done]
+        for i in active:
+            trajectories[i].round_left = round_tokens
+        while active:
+            self._sample_turn([trajectories[i] for i in active], meta_info)
+            for i in active:
+                trajectories[i].done = len(trajectories[i].tokens) >= self.max_response_length
+            ended = [i for i in active if not (trajectories[i].done or trajectories[i].turn_tokens)]
+            answers = self.steps.map(lambda i: _step(i, envs[i], trajectories[i].messages), ended)
+            going_on = [i for i, a in zip(ended, answers, strict=True) if self._answer(trajectories[i], envs[i], a)]
+            active = [i for i in going_on if trajectories[i].round_left is None or trajectories[i].round_left > 0]
+        stats = [_stats(t, env) for t, env in zip(trajectories, envs, strict=True)]
+        pad = self.tokenizer.pad_token_id
+        rows = trajectory_rows(trajectories, stats, self.max_prompt_length, self.max_response_length, pad)
+        if round_tokens is None:
+            rows = DataProto.from_dict(rollout_fields(rows.batch), rows.non_tensor_batch)
+        return rows.to(next(iter(prompts.batch.values())).device)
 
-    def _answer(self, t: Trajectory, env: Environment, answer: tuple, last_turn: bool) -> bool:
-        """Append the environment's answer to `t` (cut to the token budget); whether `t` goes on."""
+    def _answer(self, t: Trajectory, env: Environment, answer: tuple) -> bool:
+        """Append the environment's answer to `t` (cut to the token budget); whether `t` goes on (else it is done)."""
         messages, reward, done = answer
         t.reward = reward if reward is not None else t.reward
-        if done:
-            return False
-        if last_turn:
+        if not done and t.num_turns >= self.max_turns:
             t.cut_by_max_turns = True
-            return False
-        glue = self.renderer.glue_ids(messages, getattr(env, "tools", None), t.tokens[-1])
-        t.extend(glue[: self.max_response_length - len(t.tokens)], None)
-        t.messages += messages
-        return len(t.tokens) < self.max_response_length
+        if not done and not t.cut_by_max_turns:
+            glue = self.renderer.glue_ids(messages, getattr(env, "tools", None), t.tokens[-1])
+            t.extend(glue[: self.max_response_length - len(t.tokens)], None)
+            t.messages += messages
+        t.done = done or t.cut_by_max_turns or len(t.tokens) >= self.max_response_length
+        return not t.done
+
+    def _begin(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
+        """Row `index`'s trajectory: a new one, or in a round of partial rollouts the one it carries."""
+        carried = prompts.non_tensor_batch.get("messages")
+        if carried is not None and len(carried[index]):
+            return self._resume(index, env, prompts)
+        return self._start(index, env, prompts)
 
     def _start(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
-        row = {key: values[index] for key, values in prompts.non_tensor_batch.items()}
         try:
-            messages = env.reset(row)
+            messages = env.reset(_environment_row(prompts, index))
         except Exception as exc:
             raise ValueError(f"multi-turn rollout, row {index}: the environment's reset failed: {exc}") from exc
         ids = self.renderer.prompt_ids(messages, getattr(env, "tools", None))
@@ -115,52 +123,71 @@ class MultiTurnRollout(Rollout):
             )
         return Trajectory(ids, list(messages), tuple(getattr(env, "stop", ())))
 
+    def _resume(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
+        """Row `index`'s carried trajectory, its new environment brought to where the conversation is."""
+        row = prompts[index]
+        t = carried_trajectory(row)
+        try:
+            restore_environment(env, _environment_row(prompts, index), t.answered_messages())
+        except Exception as exc:
+            raise ValueError(
+                f"multi-turn rollout, row {index}: rebuilding the environment of a carried trajectory failed: {exc}"
+            ) from exc
+        t.stop = tuple(getattr(env, "stop", ()))
+        rebuilt = getattr(env, "stats", {})
+        t.stats_offset = {key: float(row[key]) - rebuilt.get(key, 0) for key in STAT_COLUMNS}
+        return t
+
     def _sample_turn(self, trajectories: list[Trajectory], meta_info: dict) -> None:
-        """One batched `generate` over the trajectories so far; appends each one's turn, cut after its first
-        stop string and to its token budget."""
+        """One batched `generate` over the trajectories so far; appends each one's turn (or the rest of a turn a
+        round cut), cut after its first stop string and to its token budget."""
         contexts = [t.prompt_ids + t.tokens for t in trajectories]
-        budgets = [self._turn_budget(t) for t in trajectories]
+        limits = [self._turn_budget(t) for t in trajectories]
+        budgets = [min(limit, t.round_left or limit) for t, limit in zip(trajectories, limits, strict=True)]
         stop = sorted({s for t in trajectories for s in t.stop})
         meta_info = {**meta_info, "max_new_tokens": max(budgets), "stop": stop}
         out = self.backend.generate(
-            DataProto.from_dict(_left_padded(contexts, self.tokenizer.pad_token_id), meta_info=meta_info)
+            DataProto.from_dict(left_padded(contexts, self.tokenizer.pad_token_id), meta_info=meta_info)
         )
         mask = out.batch["response_mask"].bool().cpu()
-        for t, budget, row, keep, log_probs in zip(
-            trajectories, budgets, out.batch["responses"].cpu(), mask, out.batch["rollout_log_probs"].cpu(), strict=True
+        for t, limit, budget, row, keep, log_probs in zip(
+            trajectories,
+            limits,
+            budgets,
+            out.batch["responses"].cpu(),
+            mask,
+            out.batch["rollout_log_probs"].cpu(),
+            strict=True,
         ):
-            tokens = row[keep][:budget].tolist()
-            tokens = tokens[: _end_of_first_stop(tokens, t.stop, self.tokenizer)]
-            t.extend(tokens, log_probs[keep][: len(tokens)].tolist())
+            # a backend's response_mask covers its tokens up to and including a stop token: more than `budget` of
+            # them is a cut (decoding past the budget, or padding read as a stop)
+            stopped = int(keep.sum()) <= budget
+            self._append_turn(t, row[keep][:budget].tolist(), log_probs[keep], stopped, budget < limit)
+
+    def _append_turn(
+        self, t: Trajectory, tokens: list[int], log_probs: torch.Tensor, stopped: bool, round_bound: bool
+    ) -> None:
+        """Append a call's `tokens` (and their `log_probs` `[>= len(tokens)]`) to `t`'s turn under way, or to a new
+        turn; the turn stays open (`turn_tokens`) when the round's budget, not its own end, stopped it."""
+        so_far = t.tokens[len(t.tokens) - t.turn_tokens :]
+        end, found = _end_of_first_stop(so_far + tokens, t.stop, self.tokenizer)
+        tokens = tokens[: end - len(so_far)]
+        t.extend(tokens, log_probs[: len(tokens)].tolist())
+        turn = so_far + tokens
+        message = {"role": "assistant", "content": self.tokenizer.decode(turn, skip_special_tokens=True)}
+        if t.turn_tokens:
+            t.messages[-1] = message
+        else:
             t.num_turns += 1
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            t.messages.append({"role": "assistant", "content": text})
+            t.messages.append(message)
+        t.turn_tokens = len(turn) if round_bound and not (stopped or found) else 0
+        if t.round_left is not None:
+            t.round_left -= len(tokens)
 
     def _turn_budget(self, t: Trajectory) -> int:
+        """The tokens `t`'s turn may still sample: what is left of the response and of `max_tokens_per_turn`."""
         left = self.max_response_length - len(t.tokens)
-        return left if self.max_tokens_per_turn is None else min(left, self.max_tokens_per_turn)
-
-    def _output(self, trajectories: list[Trajectory], envs: list[Environment], device: torch.device) -> DataProto:
-        pad, width = self.tokenizer.pad_token_id, self.max_response_length
-        prompt = _left_padded([t.prompt_ids for t in trajectories], pad, self.max_prompt_length)
-        responses = _right_padded([t.tokens for t in trajectories], pad, width, torch.long)
-        response_mask = _right_padded([t.sampled for t in trajectories], 0, width, torch.long)
-        real = _right_padded([[1] * len(t.tokens) for t in trajectories], 0, width, torch.long)
-        attention_mask = torch.cat([prompt["attention_mask"], real], dim=-1)
-        out = DataProto.from_dict(
-            {
-                "prompts": prompt["input_ids"],
-                "responses": responses,
-                "response_mask": response_mask,
-                "input_ids": torch.cat([prompt["input_ids"], responses], dim=-1),
-                "attention_mask": attention_mask,
-                "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-                "rollout_log_probs": _right_padded([t.log_probs for t in trajectories], 0.0, width, torch.float32),
-            },
-            non_tensors={"messages": object_array([t.messages for t in trajectories])}
-            | _trajectory_columns(trajectories, envs, width),
-        )
-        return out.to(device)
+        return left if self.max_tokens_per_turn is None else min(left, self.max_tokens_per_turn - t.turn_tokens)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.backend.update_weights(named_tensors)
@@ -192,41 +219,23 @@ def _step(index: int, env: Environment, messages: list[dict[str, Any]]) -> tuple
         raise RuntimeError(f"multi-turn rollout, row {index}: the environment's step failed: {exc!r}") from exc
 
 
-def _end_of_first_stop(tokens: list[int], stop: tuple[str, ...], tokenizer) -> int:
-    """How many of `tokens` to keep: up to the token that completes the first of the `stop` strings, else all."""
+def _environment_row(prompts: DataProto, index: int) -> dict[str, Any]:
+    """Row `index`'s columns by name as its environment's `reset` gets them: the data set's, not the carried ones."""
+    return {key: values[index] for key, values in prompts.non_tensor_batch.items() if key not in CARRIED_COLUMNS}
+
+
+def _stats(t: Trajectory, env: Environment) -> dict[str, float]:
+    """`t`'s counts: its environment's `stats` and those of earlier rounds."""
+    stats = getattr(env, "stats", {})
+    return {key: stats.get(key, 0) + t.stats_offset.get(key, 0) for key in STAT_COLUMNS}
+
+
+def _end_of_first_stop(tokens: list[int], stop: tuple[str, ...], tokenizer) -> tuple[int, bool]:
+    """How many of `tokens` to keep: up to the token that completes the first of the `stop` strings, else all; and
+    whether one was found."""
     pieces = tokenizer.batch_decode([[token] for token in tokens]) if stop else []
     text = "".join(pieces)
     ends = [text.find(s) + len(s) for s in stop if s in text]
     if not ends:
-        return len(tokens)
-    return bisect_left(list(accumulate(map(len, pieces))), min(ends)) + 1
-
-
-def _trajectory_columns(trajectories: list[Trajectory], envs: list[Environment], width: int) -> dict[str, np.ndarray]:
-    stats = [getattr(env, "stats", {}) for env in envs]
-    columns = {
-        "num_turns": [t.num_turns for t in trajectories],
-        "cut_by_max_turns": [float(t.cut_by_max_turns) for t in trajectories],
-        "cut_by_length": [float(len(t.tokens) >= width) for t in trajectories],
-        "env_reward": [np.nan if t.reward is None else t.reward for t in trajectories],
-    }
-    for key in ("tool_calls", "tool_errors", "tool_timeouts", "tool_time"):
-        columns[key] = [s.get(key, 0) for s in stats]
-    return {k: np.asarray(v, dtype=np.float64) for k, v in columns.items()}
-
-
-def _left_padded(rows: list[list[int]], pad: int, width: int | None = None) -> dict[str, torch.Tensor]:
-    """`input_ids`, `attention_mask`, `position_ids` `[batch, width]` (default: the longest row)."""
-    width = width or max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
-
-
-def _right_padded(rows: list[list], value: float, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """`[batch, width]`: each row followed by `value`."""
-    padded = [nn.functional.pad(torch.tensor(row, dtype=dtype), (0, width - len(row)), value=value) for row in rows]
-    return torch.stack(padded)
+        return len(tokens), False
+    return bisect_left(list(accumulate(map(len, pieces))), min(ends)) + 1, True
