@@ -114,10 +114,12 @@ def vision_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
     if not is_vision_model(model_config):
         return []
     c, name = config, f"model.path={config.model.path} is a vision-language model ({model_config.model_type}), and"
+    vllm = "rollout.name=hf (the vLLM backend is not run with images yet: its image processing needs torchvision)"
+    partial = "rollout.partial.enable=false (the rows carried between rounds do not hold their images yet)"
     unsupported = {
-        "rollout.name=hf": c.rollout.name != "hf",
+        vllm: c.rollout.name != "hf",
         "rollout.tensor_parallel_size=1": c.rollout.tensor_parallel_size > 1,
-        "rollout.multi_turn.enable=false": c.rollout.multi_turn.enable,
+        partial: c.rollout.partial.enable,
         "actor.strategy=fsdp": c.actor.strategy != "fsdp",
         "actor.ulysses_sequence_parallel_size=1": c.actor.ulysses_sequence_parallel_size > 1,
         "a critic-free algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, remax)": c.use_critic,

@@ -1,6 +1,8 @@
 """Images of prompt rows (verl's layout): an `images` cell holds one image or a list of them, each PNG/JPEG bytes, a
 file path, or a `{"bytes", "path"}` dict (as Hugging Face datasets store images); the prompt marks where each goes
-with an `<image>` placeholder in its text, or a `{"type": "image"}` entry in a message's content list."""
+with an `<image>` placeholder in its text, or a `{"type": "image"}` entry in a message's content list. A multi-turn
+environment's answer (a tool's result) may hold images too (`message_content`): `{"type": "image", "image": ...}`
+parts of its content list, which carry the image itself."""
 
 from __future__ import annotations
 
@@ -67,6 +69,44 @@ def _joined(message: Mapping) -> dict:
         return dict(message)
     text = "".join(IMAGE_MARKER if p.get("type") == "image" else str(p.get("text", "")) for p in parts)
     return {**message, "content": text}
+
+
+def message_content(value: Any) -> str | list[dict[str, Any]]:
+    """An environment's answer (a tool's result) as a message's content: a string as it is; an image (PIL, PNG/JPEG
+    bytes... as `row_images` takes them, in a `{"type": "image", "image": ...}` part), or a list of strings, images
+    and `{"type": "text", "text": ...}` / `{"type": "image", "image": ...}` parts, as a content list whose image parts
+    hold the decoded RGB image. Raises ValueError (an unreadable image) or TypeError (anything else) naming the part."""
+    if isinstance(value, str):
+        return value
+    parts = list(value) if isinstance(value, list | tuple) else [value]
+    return [_content_part(part, i) for i, part in enumerate(parts)]
+
+
+def _content_part(part: Any, i: int) -> dict[str, Any]:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        return {"type": "text", "text": str(part.get("text", ""))}
+    image = part.get("image") if isinstance(part, Mapping) and part.get("type") == "image" else part
+    if not isinstance(image, Image.Image | bytes | str | Mapping):
+        raise TypeError(
+            f"part {i} is a {type(part).__name__}; give text, an image ({_ENTRY_FORMS} or a PIL image), or a "
+            '{"type": "text", "text": ...} or {"type": "image", "image": ...} part'
+        )
+    return {"type": "image", "image": _open(image, i).convert("RGB")}
+
+
+def joined_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """`messages` with each content list joined into text (an `<image>` marker for each image part,
+    `with_image_markers`), and the images its image parts hold (`{"type": "image", "image": ...}`), in order."""
+    images = [
+        _open(part["image"], i).convert("RGB")
+        for message in messages
+        if isinstance(message.get("content"), list | tuple)
+        for i, part in enumerate(message["content"])
+        if isinstance(part, Mapping) and part.get("type") == "image" and part.get("image") is not None
+    ]
+    return with_image_markers(messages), images
 
 
 def check_image_count(text: str, images: list) -> None:

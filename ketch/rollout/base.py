@@ -29,7 +29,9 @@ class Rollout(ABC):
     the multi-turn loop does for each turn: a backend stops there where it can, else decodes on, and the
     caller cuts each response after its first stop string and to its budget. Partial rollouts
     (`ketch.trainer.partial`) continue a trajectory the same way: its prompt and response so far as the prompt, a
-    round's tokens as `max_new_tokens`."""
+    round's tokens as `max_new_tokens`. A vision-language model's prompts come with each row's `multi_modal_inputs`
+    (non-tensor), which the result carries: the prompt's images (and a multi-turn rollout's, the environment's after
+    them), for the training forwards."""
 
     @abstractmethod
     def generate(self, prompts: DataProto) -> DataProto:
@@ -176,8 +178,9 @@ def response_mask_from_stops(responses: torch.Tensor, stop_token_ids: list[int])
 
 
 def assemble_sequences(prompts: DataProto, responses: torch.Tensor, response_mask: torch.Tensor) -> DataProto:
-    """The rollout output fields shared by all backends (see `Rollout`)."""
+    """The rollout output fields shared by all backends (see `Rollout`), with the prompts' `multi_modal_inputs`."""
     prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    images = {k: v for k, v in prompts.non_tensor_batch.items() if k == "multi_modal_inputs"}
     attention_mask = torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=-1)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return DataProto.from_dict(
@@ -188,5 +191,6 @@ def assemble_sequences(prompts: DataProto, responses: torch.Tensor, response_mas
             "input_ids": torch.cat([prompt_ids, responses], dim=-1),
             "attention_mask": attention_mask,
             "position_ids": position_ids,
-        }
+        },
+        images,
     )

@@ -251,7 +251,10 @@ class PPOTrainer(TrainingLoop):
         batch = batch.union(self.generator.generate_sequences(prompts))
         if self.config.algorithm.adv_estimator == "remax":
             prompts.meta_info["do_sample"] = False
-            greedy = batch.select(batch_keys=[]).union(self.generator.generate_sequences(prompts))
+            columns = [k for k in batch.non_tensor_batch if k != "multi_modal_inputs"]  # the greedy rows' own
+            greedy = batch.select(batch_keys=[], non_tensor_keys=columns).union(
+                self.generator.generate_sequences(prompts)
+            )
             scores, _, _ = self._scores(greedy, update_stats=False)
             batch.batch["reward_baselines"] = scores.sum(-1)
         self._warn_if_all_truncated(batch, step)

@@ -53,9 +53,12 @@ def generate_and_score(
 
 
 def generation_inputs(batch: DataProto) -> DataProto:
-    """What `generate_sequences` reads, taken out of `batch`: the prompt tensors (popped) and the rows'
-    non-tensor columns (copied; a multi-turn rollout reads `raw_prompt` and what its environment needs)."""
-    prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
+    """What `generate_sequences` reads, taken out of `batch`: the prompt tensors and a vision-language model's
+    `multi_modal_inputs` (popped: the rollout returns the rows' images, a multi-turn rollout's with its environment's
+    after the prompt's) and the rows' other non-tensor columns (copied; a multi-turn rollout reads `raw_prompt` and
+    what its environment needs)."""
+    images = [k for k in ("multi_modal_inputs",) if k in batch.non_tensor_batch]
+    prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], non_tensor_keys=images)
     return prompts.union(batch.select(batch_keys=[], meta_keys=[]))
 
 

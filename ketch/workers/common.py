@@ -15,6 +15,7 @@ from ketch.controller import ONE_TO_ALL, register
 from ketch.engine.distributed import init_process_group, resolve_device
 from ketch.engine.megatron.grid import RankGrid
 from ketch.engine.micro import split_micro_batches
+from ketch.models.vision import load_image_processor, vision_family
 from ketch.protocol import DataProto
 from ketch.rollout import Rollout, build_rollout
 from ketch.rollout.multi_turn import with_multi_turn
@@ -26,8 +27,11 @@ if TYPE_CHECKING:
 def rollout_engine(
     config: KetchConfig, model_path: str, tokenizer, dtype: torch.dtype, device: torch.device, seed: int
 ) -> Rollout:
-    """The generation backend named by `rollout.name`, inside the turn loop when `rollout.multi_turn.enable`."""
-    return with_multi_turn(build_rollout(config, model_path, tokenizer, dtype, device, seed), config, tokenizer)
+    """The generation backend named by `rollout.name`, inside the turn loop when `rollout.multi_turn.enable` (with a
+    vision-language model's processor, for the images of the prompts and the environment's answers)."""
+    backend = build_rollout(config, model_path, tokenizer, dtype, device, seed)
+    vision = config.rollout.multi_turn.enable and vision_family(model_path) is not None
+    return with_multi_turn(backend, config, tokenizer, load_image_processor(model_path, tokenizer) if vision else None)
 
 
 def setup_process(device_name: str, seed: int) -> torch.device:

@@ -40,16 +40,19 @@ __all__ = [
 ]
 
 
-def with_multi_turn(backend: Rollout, config: KetchConfig, tokenizer) -> Rollout:
-    """`backend` wrapped in the turn loop when `rollout.multi_turn.enable`, else `backend` itself."""
+def with_multi_turn(backend: Rollout, config: KetchConfig, tokenizer, processor=None) -> Rollout:
+    """`backend` wrapped in the turn loop when `rollout.multi_turn.enable`, else `backend` itself; `processor`: a
+    vision-language model's (its tools may answer with images)."""
     if not config.rollout.multi_turn.enable:
         return backend
-    return MultiTurnRollout(backend, config, tokenizer, environment_factory(config, tokenizer))
+    new_environment = environment_factory(config, tokenizer, images=processor is not None)
+    return MultiTurnRollout(backend, config, tokenizer, new_environment, processor)
 
 
-def environment_factory(config: KetchConfig, tokenizer):
+def environment_factory(config: KetchConfig, tokenizer, images: bool = False):
     """A function making one fresh environment per trajectory: the user's class
-    (`rollout.multi_turn.environment`), else a `ToolEnvironment` over `rollout.multi_turn.tools`.
+    (`rollout.multi_turn.environment`), else a `ToolEnvironment` over `rollout.multi_turn.tools` (`images`: its
+    tools may answer with images, which the model takes).
     The tools and the environment are loaded here, so a broken file stops the run at start-up (`preflight` calls
     it before any tokenizer loads, with `tokenizer=None`: the `auto` tool-call format then reads no chat template)."""
     mt = config.rollout.multi_turn
@@ -57,7 +60,7 @@ def environment_factory(config: KetchConfig, tokenizer):
         return load_environment_class(mt.environment)
     tools = resolve_tools(list(mt.tools))
     parser = get_parser(mt.format, getattr(tokenizer, "chat_template", None))
-    return lambda: ToolEnvironment(tools, parser, mt.tool_timeout)
+    return lambda: ToolEnvironment(tools, parser, mt.tool_timeout, images)
 
 
 def turn_stop_strings(config: KetchConfig, tokenizer) -> tuple[str, ...]:

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Protocol
 
 from ketch.data.conversation import prompt_messages, row_tool_names
+from ketch.data.images import message_content
 from ketch.rollout.multi_turn.metrics import ERROR_PREFIX
 from ketch.rollout.multi_turn.parsers import Parser, ToolCall
 from ketch.rollout.multi_turn.tools import Tool
@@ -83,11 +84,13 @@ def row_messages(row: dict[str, Any]) -> list[Message]:
 
 class ToolEnvironment:
     """Parses the model's tool calls, runs them concurrently with a per-call timeout and answers with one tool
-    message per call; done when a turn has no call. A failing call (bad JSON, unknown tool, bad arguments, an
-    exception, a timeout, a result that is not text) is answered with an error message the model reads."""
+    message per call; done when a turn has no call. A tool returns text or, where the model takes images (`images`),
+    an image or a list of text and images (`ketch.data.images.message_content`), which its message's content list
+    holds. A failing call (bad JSON, unknown tool, bad arguments, an exception, a timeout, a result that is neither,
+    an image that cannot be read) is answered with an error message the model reads."""
 
-    def __init__(self, tools: dict[str, Tool], parser: Parser, timeout: float):
-        self.all_tools, self.parser, self.timeout = tools, parser, timeout
+    def __init__(self, tools: dict[str, Tool], parser: Parser, timeout: float, images: bool = False):
+        self.all_tools, self.parser, self.timeout, self.images = tools, parser, timeout, images
         self.stop = getattr(parser, "stop", ())
         self.tools_by_name = tools
         self.stats = {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_time": 0.0}
@@ -122,17 +125,24 @@ class ToolEnvironment:
         messages = [{"role": "tool", "name": c.name, "content": r} for c, r in zip(calls, replies, strict=True)]
         return messages, None, False
 
-    def _run(self, call: ToolCall) -> str:
+    def _run(self, call: ToolCall) -> str | list[dict[str, Any]]:
         if call.error is not None:
             raise ValueError(call.error)
         if call.name not in self.tools_by_name:
             raise LookupError(f"unknown tool {call.name!r}; available: {', '.join(self.tools_by_name) or 'none'}")
         result = self.tools_by_name[call.name].fn(**call.arguments)
-        if not isinstance(result, str):
+        if isinstance(result, str):
+            return result
+        if not self.images:
             raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not text")
-        return result
+        try:
+            return message_content(result)
+        except TypeError as err:
+            raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not text or images: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"tool {call.name!r} returned an image that cannot be read: {err}") from None
 
-    def _result(self, call: ToolCall, future, start: float) -> str:
+    def _result(self, call: ToolCall, future, start: float) -> str | list[dict[str, Any]]:
         try:
             return future.result(timeout=max(0.0, self.timeout - (time.perf_counter() - start)))
         except FutureTimeout:

@@ -31,7 +31,8 @@ import torch
 
 from ketch.config.schema import KetchConfig
 from ketch.data.conversation import ChatRenderer
-from ketch.protocol import DataProto
+from ketch.data.images import joined_messages, message_content, row_images
+from ketch.protocol import DataProto, object_array
 from ketch.rollout.base import Rollout
 from ketch.rollout.multi_turn.environment import Environment, restore_environment
 from ketch.rollout.multi_turn.trajectory import (
@@ -55,15 +56,29 @@ class MultiTurnRollout(Rollout):
     answer, `attention_mask` is 1 on all of them, `response_mask` and `rollout_log_probs` only on sampled
     tokens. Non-tensor columns: `messages` (the whole conversation) and `TRAJECTORY_COLUMNS`. With
     `meta_info["round_tokens"]` (a round of partial rollouts) the rows also hold the carried columns
-    (`CARRIED_TENSORS`, `CARRIED_COLUMNS`), and so does the result, instead of the `Rollout` fields."""
+    (`CARRIED_TENSORS`, `CARRIED_COLUMNS`), and so does the result, instead of the `Rollout` fields.
 
-    def __init__(self, backend: Rollout, config: KetchConfig, tokenizer, new_environment: Callable[[], Environment]):
+    With a vision-language model's `processor` the prompt's images (the row's `images`, or images the opening
+    messages hold) and those of the environment's answers (`{"type": "image", "image": ...}` parts, e.g. a tool that
+    returns an image) are expanded into their vision tokens where they stand; the backend gets each row's images at
+    every turn, and the result's `multi_modal_inputs` holds each row's image tensors in order, the prompt's first.
+    `messages` holds an `<image>` marker where an image was."""
+
+    def __init__(
+        self,
+        backend: Rollout,
+        config: KetchConfig,
+        tokenizer,
+        new_environment: Callable[[], Environment],
+        processor: Any | None = None,
+    ):
         self.backend, self.tokenizer, self.new_environment = backend, tokenizer, new_environment
         self.max_turns = config.rollout.multi_turn.max_turns
         self.max_tokens_per_turn = config.rollout.multi_turn.max_tokens_per_turn
         self.max_prompt_length = config.data.max_prompt_length
         self.max_response_length = config.data.max_response_length
-        self.renderer = ChatRenderer(tokenizer, config.data.chat_template)
+        self.renderer = ChatRenderer(tokenizer, config.data.chat_template, processor)
+        self.images = processor is not None
         self.steps = ThreadPoolExecutor(max_workers=16, thread_name_prefix="ketch-env")
 
     @torch.no_grad()
@@ -80,12 +95,12 @@ class MultiTurnRollout(Rollout):
             for i in active:
                 trajectories[i].done = len(trajectories[i].tokens) >= self.max_response_length
             ended = [i for i in active if not (trajectories[i].done or trajectories[i].turn_tokens)]
-            answers = self.steps.map(lambda i: _step(i, envs[i], trajectories[i].messages), ended)
+            answers = self.steps.map(lambda i: _step(i, envs[i], trajectories[i].messages, self.images), ended)
             going_on = [i for i, a in zip(ended, answers, strict=True) if self._answer(trajectories[i], envs[i], a)]
             active = [i for i in going_on if trajectories[i].round_left is None or trajectories[i].round_left > 0]
         stats = [_stats(t, env) for t, env in zip(trajectories, envs, strict=True)]
         pad = self.tokenizer.pad_token_id
-        rows = trajectory_rows(trajectories, stats, self.max_prompt_length, self.max_response_length, pad)
+        rows = trajectory_rows(trajectories, stats, self.max_prompt_length, self.max_response_length, pad, self.images)
         if round_tokens is None:
             rows = DataProto.from_dict(rollout_fields(rows.batch), rows.non_tensor_batch)
         return rows.to(next(iter(prompts.batch.values())).device)
@@ -96,11 +111,14 @@ class MultiTurnRollout(Rollout):
         t.reward = reward if reward is not None else t.reward
         if not done and t.num_turns >= self.max_turns:
             t.cut_by_max_turns = True
+        whole = True
         if not done and not t.cut_by_max_turns:
-            glue = self.renderer.glue_ids(messages, getattr(env, "tools", None), t.tokens[-1])
-            t.extend(glue[: self.max_response_length - len(t.tokens)], None)
-            t.messages += messages
-        t.done = done or t.cut_by_max_turns or len(t.tokens) >= self.max_response_length
+            room = self.max_response_length - len(t.tokens)
+            glue, images, whole = self.renderer.glue_inputs(messages, getattr(env, "tools", None), t.tokens[-1], room)
+            t.extend(glue, None)
+            t.add_images(images)
+            t.messages += joined_messages(messages)[0]
+        t.done = done or t.cut_by_max_turns or not whole or len(t.tokens) >= self.max_response_length
         return not t.done
 
     def _begin(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
@@ -111,17 +129,19 @@ class MultiTurnRollout(Rollout):
         return self._start(index, env, prompts)
 
     def _start(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
+        row = _environment_row(prompts, index)
         try:
-            messages = env.reset(_environment_row(prompts, index))
+            messages, images = joined_messages(env.reset(row))
+            images = images or row_images(row.get("images"))
+            ids, image_inputs = self.renderer.prompt_inputs(messages, getattr(env, "tools", None), images)
         except Exception as exc:
             raise ValueError(f"multi-turn rollout, row {index}: the environment's reset failed: {exc}") from exc
-        ids = self.renderer.prompt_ids(messages, getattr(env, "tools", None))
         if len(ids) > self.max_prompt_length:
             raise ValueError(
                 f"multi-turn rollout, row {index}: the prompt rendered with its tools is {len(ids)} tokens, over "
                 f"data.max_prompt_length={self.max_prompt_length}; raise data.max_prompt_length"
             )
-        return Trajectory(ids, list(messages), tuple(getattr(env, "stop", ())))
+        return Trajectory(ids, messages, tuple(getattr(env, "stop", ())), multi_modal_inputs=image_inputs)
 
     def _resume(self, index: int, env: Environment, prompts: DataProto) -> Trajectory:
         """Row `index`'s carried trajectory, its new environment brought to where the conversation is."""
@@ -146,9 +166,9 @@ class MultiTurnRollout(Rollout):
         budgets = [min(limit, t.round_left or limit) for t, limit in zip(trajectories, limits, strict=True)]
         stop = sorted({s for t in trajectories for s in t.stop})
         meta_info = {**meta_info, "max_new_tokens": max(budgets), "stop": stop}
-        out = self.backend.generate(
-            DataProto.from_dict(left_padded(contexts, self.tokenizer.pad_token_id), meta_info=meta_info)
-        )
+        images = {"multi_modal_inputs": object_array([t.multi_modal_inputs for t in trajectories])}
+        inputs = left_padded(contexts, self.tokenizer.pad_token_id)
+        out = self.backend.generate(DataProto.from_dict(inputs, images if self.images else {}, meta_info=meta_info))
         mask = out.batch["response_mask"].bool().cpu()
         for t, limit, budget, row, keep, log_probs in zip(
             trajectories,
@@ -212,9 +232,17 @@ class MultiTurnRollout(Rollout):
         self.backend.wake_up()
 
 
-def _step(index: int, env: Environment, messages: list[dict[str, Any]]) -> tuple:
+def _step(index: int, env: Environment, messages: list[dict[str, Any]], images: bool) -> tuple:
+    """`env.step(messages)`, the answer's content lists with their images decoded (`message_content`); `images`:
+    whether the model takes them."""
     try:
-        return env.step(messages)
+        answer, reward, done = env.step(messages)
+        answer = [
+            m if isinstance(m.get("content"), str) else {**m, "content": message_content(m["content"])} for m in answer
+        ]
+        if not images and joined_messages(answer)[1]:
+            raise ValueError("it answered with an image, and the model is text-only")
+        return answer, reward, done
     except Exception as exc:
         raise RuntimeError(f"multi-turn rollout, row {index}: the environment's step failed: {exc!r}") from exc
 

@@ -57,7 +57,9 @@ class Trajectory:
     """One row's conversation and its response tokens: `sampled` marks the model's own tokens. `turn_tokens`: the
     tokens of a turn that a round's budget cut (0 between turns); `round_left`: the tokens this call may still
     sample (None: no bound); `stats_offset`: what to add to the environment's `stats` (the counts of earlier
-    rounds, less what rebuilding the environment counted)."""
+    rounds, less what rebuilding the environment counted); `multi_modal_inputs`: the tensors of the images in the
+    prompt and the tokens, in order (a vision-language model's; `ketch.models.vision.image_model_inputs` reads
+    them)."""
 
     prompt_ids: list[int]
     messages: list[dict[str, Any]]
@@ -72,12 +74,20 @@ class Trajectory:
     done: bool = False
     round_left: int | None = None
     stats_offset: dict[str, float] = field(default_factory=dict)
+    multi_modal_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def extend(self, tokens: Iterable[int], log_probs: Iterable[float] | None) -> None:
         tokens = list(tokens)
         self.tokens += tokens
         self.sampled += [1 if log_probs is not None else 0] * len(tokens)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(tokens)
+
+    def add_images(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Append the tensors of images that come after the trajectory's (`pixel_values` `[patches or images, ...]`,
+        Qwen's `image_grid_thw` `[images, 3]`), each concatenated after the trajectory's on its first dimension (in a
+        new dict: the rows of earlier backend calls keep theirs)."""
+        held = self.multi_modal_inputs
+        self.multi_modal_inputs = held | {k: torch.cat([held[k], v]) if k in held else v for k, v in inputs.items()}
 
     def answered_messages(self) -> list[dict[str, Any]]:
         """The conversation up to the environment's last answer: without the text of a turn a round cut."""
@@ -104,9 +114,15 @@ def carried_trajectory(row: dict[str, Any]) -> Trajectory:
 
 
 def trajectory_rows(
-    trajectories: list[Trajectory], stats: list[dict[str, float]], prompt_width: int, response_width: int, pad: int
+    trajectories: list[Trajectory],
+    stats: list[dict[str, float]],
+    prompt_width: int,
+    response_width: int,
+    pad: int,
+    images: bool = False,
 ) -> DataProto:
-    """The trajectories as carried rows (`CARRIED_TENSORS`, `CARRIED_COLUMNS`); `stats`: each one's counts."""
+    """The trajectories as carried rows (`CARRIED_TENSORS`, `CARRIED_COLUMNS`); `stats`: each one's counts; with
+    `images` (a vision-language model's rollout) also `multi_modal_inputs`, each row's image tensors."""
     prompt = left_padded([t.prompt_ids for t in trajectories], pad, prompt_width)
     tensors = {
         "prompts": prompt["input_ids"],
@@ -127,7 +143,10 @@ def trajectory_rows(
     for key in STAT_COLUMNS:
         columns[key] = [s.get(key, 0) for s in stats]
     non_tensors = {k: np.asarray(v, dtype=np.float64) for k, v in columns.items()}
-    return DataProto.from_dict(tensors, {"messages": object_array([t.messages for t in trajectories])} | non_tensors)
+    non_tensors["messages"] = object_array([t.messages for t in trajectories])
+    if images:
+        non_tensors["multi_modal_inputs"] = object_array([t.multi_modal_inputs for t in trajectories])
+    return DataProto.from_dict(tensors, non_tensors)
 
 
 def not_begun(count: int, prompt_width: int, response_width: int, pad: int) -> DataProto:
