@@ -94,11 +94,13 @@ def causal_lm_problem(config: Any) -> str | None:
 
 
 def value_head_problem(config: Any) -> str | None:
-    """Why a critic (the backbone with a scalar value head: `*ForTokenClassification`) cannot be built for the model
-    of HF `config`, or None."""
+    """Why a critic (the backbone with a scalar value head: `*ForTokenClassification`, or a vision-language model's
+    backbone with one) cannot be built for the model of HF `config`, or None."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
 
     remote = "AutoModelForTokenClassification" in (getattr(config, "auto_map", None) or {})
+    if is_vision_model(config):  # its backbone with a head of ketch's (`ketch.models.vision_critic`)
+        return None
     if config.model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES and not remote:
         return f"transformers has no token-classification class for model_type={config.model_type!r}"
     return None

@@ -25,6 +25,7 @@ from ketch.data.errors import DatasetError
 from ketch.doctor.checks import _config_rows
 from ketch.engine.heads import PolicyModel
 from ketch.models import load_causal_lm
+from ketch.models.mrope import continued_positions, rope_positions
 from ketch.models.vision import (
     QWEN_IMAGE,
     VISION_MODULES,
@@ -38,6 +39,7 @@ from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
+from ketch.trainer.validation import generation_inputs
 from tests.vision_models import FAMILIES, save_tiny_vlm
 
 
@@ -273,14 +275,13 @@ def test_the_placeholder_tokens_a_rollout_never_samples_are_the_familys_image_an
 
 
 def test_a_setting_not_yet_taken_with_images_stops_at_start_up_naming_the_fix(tiny_config, vlm_dirs, image_task):
-    config = _grpo_config(
-        tiny_config, vlm_dirs["qwen2_vl"], image_task, "rollout.name=vllm", "algorithm.adv_estimator=gae"
-    )
+    overrides = ("rollout.name=vllm", "algorithm.adv_estimator=gae", "critic.lora.rank=4")
+    config = _grpo_config(tiny_config, vlm_dirs["qwen2_vl"], image_task, *overrides)
     with pytest.raises(ConfigError) as err:
         PPOTrainer(config)
     message = str(err.value)
     assert "is a vision-language model (qwen2_vl), and ketch does not train one with images under other" in message
-    assert "set rollout.name=hf" in message and "set a critic-free algorithm.adv_estimator" in message
+    assert "set rollout.name=hf" in message and "set critic.lora.rank=0 (a critic on the whole model)" in message
 
 
 def test_a_run_validates_with_the_images_and_exports_a_model_that_loads_with_its_processor(
@@ -320,6 +321,86 @@ def test_packed_log_probs_equal_the_padded_ones_in_float32(tmp_path, vlm_dirs, f
     expected, got = (head(*args, image_inputs=images)["log_prob"] for head in (padded, packed))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert (got[response_mask == 0] == 0).all()
+    # the rollout's carried positions: the prompts' from get_rope_index, the responses' counted on from them
+    carried = continued_positions(
+        rope_positions(padded.lm.model, prompts, prompt_mask, batch["multi_modal_inputs"]), mask
+    )
+    full, _ = padded.lm.model.get_rope_index(
+        input_ids, images["mm_token_type_ids"], image_grid_thw=images["image_grid_thw"], attention_mask=mask
+    )
+    assert carried.shape == (3, 3, input_ids.shape[1]) and torch.equal(carried, full.transpose(0, 1))
+    for head in (padded, packed):
+        got = head(input_ids, mask, carried, 5, image_inputs=images)["log_prob"]
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_carried_positions_count_each_response_on_from_its_prompts_largest():
+    """Row 0: text, a 2 x 2 image grid (positions 2-3 high and wide), text; its response counts on from 4. Row 1:
+    left-padded text. Padding is 0, as get_rope_index gives it."""
+    prompt = torch.tensor(
+        [
+            [[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]],
+            [[0, 0, 0, 0, 0, 1, 2]] * 3,
+        ]
+    )
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1, 1, 0, 0]])
+    out = continued_positions(prompt, mask)
+    assert out[0, :, 7:].tolist() == [[5, 6, 0]] * 3
+    assert out[1, :, 7:].tolist() == [[3, 0, 0]] * 3
+    assert torch.equal(out[:, :, :7], prompt)
+    with pytest.raises(ValueError, match=r"prompt positions \(2, 3, 7\) do not fit an attention mask of \(2, 5\)"):
+        continued_positions(prompt, mask[:, :5])
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_the_rollout_carries_the_positions_and_the_training_forward_reads_them(
+    tiny_config, vlm_dirs, image_task, family
+):
+    """The static-decoded rollout returns `position_ids` `[batch, 3, seq]`: get_rope_index's for prompt and
+    response. The packed old log-probs read them: equal to those of positions computed in the forward (rows without
+    carried ones), within 1e-5 of the rollout's."""
+    overrides = ("model.use_remove_padding=true", "rollout.hf_decoding=static")
+    trainer = PPOTrainer(_grpo_config(tiny_config, vlm_dirs[family], image_task, *overrides))
+    trainer._open()
+    batch = trainer._expand(trainer.loader.next_batch())
+    batch = batch.union(trainer.generator.generate_sequences(generation_inputs(batch)))
+    carried = batch.batch["position_ids"]
+    model = trainer.actor_rollout.worker.rollout.model
+    ids, mask = batch.batch["input_ids"], batch.batch["attention_mask"]
+    images = image_model_inputs(model.config, ids, batch.non_tensor_batch["multi_modal_inputs"])
+    full, _ = model.model.get_rope_index(
+        ids, images["mm_token_type_ids"], image_grid_thw=images["image_grid_thw"], attention_mask=mask
+    )
+    assert carried.shape == (8, 3, ids.shape[1]) and torch.equal(carried, full.transpose(0, 1))
+    old = trainer.actor_rollout.compute_log_prob(batch).batch["old_log_prob"]
+    batch.batch["position_ids"] = position_ids(mask)
+    computed = trainer.actor_rollout.compute_log_prob(batch).batch["old_log_prob"]
+    trainer.groups.shutdown()
+    torch.testing.assert_close(old, computed, atol=1e-6, rtol=0)
+    response_mask = batch.batch["response_mask"].bool()
+    assert (old - batch.batch["rollout_log_probs"])[response_mask].abs().max() < 1e-5
+
+
+def test_ppo_with_a_critic_on_the_vision_language_model_reads_the_images(tiny_config, vlm_dirs, image_task):
+    """`algorithm.adv_estimator=gae` on a tiny Qwen2-VL: the critic is its backbone with a value head, reading the
+    images and the carried positions packed; two PPO steps train its language model and head, not its vision
+    tower, with finite values and value loss."""
+    overrides = ("algorithm.adv_estimator=gae", "rollout.n=1", "model.use_remove_padding=true")
+    trainer = PPOTrainer(
+        _grpo_config(tiny_config, vlm_dirs["qwen2_vl"], image_task, *overrides, "rollout.hf_decoding=static")
+    )
+    trainer._open()
+    critic = trainer.critic.worker.critic
+    assert critic.module.packed
+    before = {n: t.clone() for n, t in critic.full_parameters()}
+    metrics = [trainer._train_step(trainer.loader.next_batch(), step) for step in (1, 2)]
+    changed = {n for n, t in critic.full_parameters() if not torch.equal(before[n], t)}
+    trainer.groups.shutdown()
+    for step in metrics:
+        assert math.isfinite(step["critic/vf_loss"]) and math.isfinite(step["critic/vpred_mean"])
+    assert "critic.score.weight" in changed
+    assert any(n.startswith("critic.model.language_model.") for n in changed)
+    assert not any(n.startswith("critic.model.visual.blocks.") for n in changed)  # model.freeze_vision_tower
 
 
 def test_doctor_reads_the_images_and_checks_the_first_steps_log_probs(tiny_config, vlm_dirs, image_task):

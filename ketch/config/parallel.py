@@ -122,7 +122,8 @@ def vision_start_problems(config: KetchConfig, model_config: Any) -> list[str]:
         partial: c.rollout.partial.enable,
         "actor.strategy=fsdp": c.actor.strategy != "fsdp",
         "actor.ulysses_sequence_parallel_size=1": c.actor.ulysses_sequence_parallel_size > 1,
-        "a critic-free algorithm.adv_estimator (grpo, rloo, reinforce_plus_plus, remax)": c.use_critic,
+        "critic.strategy=fsdp": c.use_critic and c.critic.strategy != "fsdp",
+        "critic.lora.rank=0 (a critic on the whole model)": c.use_critic and c.critic.lora.enabled,
     }
     return [
         f"{name} ketch does not train one with images under other settings yet: set {fix}"

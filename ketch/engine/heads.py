@@ -89,9 +89,9 @@ class PolicyModel(_Deterministic):
         as `routed_experts` `[batch, seq, moe_layers, top_k]` (zeros at padding).
 
         A vision-language model runs whole (vision encoder and language model; `ketch.engine.vision_forward`) with
-        `image_inputs` (the batch's images, `ketch.models.vision.image_model_inputs`; None or empty: none) and the
-        rotary positions the model computes from the tokens and the attention mask (Qwen's multimodal ones), as its
-        `generate` does."""
+        `image_inputs` (the batch's images, `ketch.models.vision.image_model_inputs`; None or empty: none) and, for
+        the Qwen families, the multimodal rotary positions `position_ids` `[batch, 3, seq]` the rollout carried
+        (`[batch, seq]`: the model computes them from the tokens and the attention mask, as its `generate` does)."""
         host = attention_mask if host_attention_mask is None else host_attention_mask
         self.router_logits.clear()
         tokens = self._route(given_experts if replay else None, host, input_ids.device)
@@ -101,7 +101,8 @@ class PolicyModel(_Deterministic):
             states, labels, place = sharded_states(backbone, *args)
         else:
             if is_vision_model(self.lm.config):
-                hidden = vision_hidden(self.lm, input_ids, attention_mask, image_inputs or {}, self.packed, host)
+                images = image_inputs or {}
+                hidden = vision_hidden(self.lm, input_ids, attention_mask, position_ids, images, self.packed, host)
             else:
                 hidden = backbone_hidden(backbone, input_ids, attention_mask, position_ids, self.packed, host)
             valid = tuple(to_device(i, input_ids.device) for i in host[:, -response_len:].nonzero(as_tuple=True))
@@ -168,7 +169,8 @@ def _record(records: list[torch.Tensor], index: int, _module, _inputs, output) -
 
 
 class ValueModel(_Deterministic):
-    """A backbone with a scalar head (`*ForTokenClassification`, one label) that returns per-token values."""
+    """A backbone with a scalar head (`*ForTokenClassification`, one label; a vision-language model's
+    `ketch.models.vision_critic.VisionTokenClassifier`) that returns per-token values."""
 
     def __init__(self, critic: nn.Module, packed: bool = False):
         super().__init__()
@@ -180,8 +182,8 @@ class ValueModel(_Deterministic):
         )
         if self.head_name is None:
             raise TypeError(f"{type(critic).__name__} has no linear `score` or `classifier` head to read values from")
-        if self.packed:
-            use_packed_attention(critic)
+        if self.packed:  # a vision-language model's language model only, as the policy's
+            use_packed_attention(decoder(critic) if is_vision_model(critic.config) else critic)
 
     def forward(
         self,
@@ -190,17 +192,23 @@ class ValueModel(_Deterministic):
         position_ids: torch.Tensor,
         response_len: int,
         host_attention_mask: torch.Tensor | None = None,
+        image_inputs: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32."""
+        """Inputs `[batch, seq]`; returns `values` `[batch, response_len]` in float32. A vision-language model's
+        backbone reads the images and positions as `PolicyModel`'s does (`image_inputs`; `position_ids` `[batch, 3,
+        seq]` where the rollout carried them)."""
         dropout, head = getattr(self.critic, "dropout", nn.Identity()), getattr(self.critic, self.head_name)
         if self.sequence_parallel is not None:  # zeros where the token before is padding (the critic masks them)
             host = attention_mask if host_attention_mask is None else host_attention_mask
             args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
             states, _, place = sharded_states(self.critic.base_model, *args, real_only=False)
             return {"values": place(head(dropout(states))[..., 0])}
-        hidden = backbone_hidden(
-            self.critic.base_model, input_ids, attention_mask, position_ids, self.packed, host_attention_mask
-        )
+        host = attention_mask if host_attention_mask is None else host_attention_mask
+        if is_vision_model(self.critic.config):
+            args = (input_ids, attention_mask, position_ids, image_inputs or {}, self.packed, host)
+            hidden = vision_hidden(self.critic, *args)
+        else:
+            hidden = backbone_hidden(self.critic.base_model, input_ids, attention_mask, position_ids, self.packed, host)
         values = head(dropout(hidden[:, -response_len - 1 : -1]))[..., 0]
         return {"values": values.float().clone()}
 

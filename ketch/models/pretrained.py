@@ -32,6 +32,7 @@ from ketch.architecture import (
     value_head_problem,
 )
 from ketch.models.special_tokens import ensure_eos_token, ensure_pad_token, say_once
+from ketch.models.vision_critic import VisionTokenClassifier
 
 logger = logging.getLogger("ketch.models")
 
@@ -130,12 +131,15 @@ def load_critic(
     trust_remote_code: bool = False,
     override_config: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
-    """The backbone at `path` with a scalar value head (`AutoModelForTokenClassification`, one label).
+    """The backbone at `path` with a scalar value head (`AutoModelForTokenClassification`, one label; a
+    vision-language model's backbone, vision encoder included, with a fresh head: `VisionTokenClassifier`).
 
     A causal-LM checkpoint gives the backbone's weights and a freshly initialised head; a critic
     checkpoint saved by ketch gives both."""
-    what = "a critic (needs a *ForTokenClassification class for this architecture)"
     args = (path, dtype, attn_implementation, trust_remote_code, override_config)
+    if is_vision_model(load_model_config(path, trust_remote_code, override_config)):
+        return VisionTokenClassifier(load_causal_lm(*args))
+    what = "a critic (needs a *ForTokenClassification class for this architecture)"
     return _load_with_scalar_head(AutoModelForTokenClassification, *args, what=what)
 
 

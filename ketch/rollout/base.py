@@ -22,8 +22,9 @@ class Rollout(ABC):
     `attention_mask`, `position_ids` `[batch, prompt_len]` and returns `prompts` `[batch, prompt_len]`,
     `responses` and `response_mask` `[batch, response_len]` (right-padded; the mask covers the response up
     to and including its first stop token), the concatenated `input_ids`/`attention_mask`/`position_ids`
-    `[batch, prompt_len + response_len]`, and `rollout_log_probs` `[batch, response_len]` (the sampled
-    tokens' log-probs at the sampling temperature). `meta_info` may override `do_sample` and
+    `[batch, prompt_len + response_len]` (a Qwen vision-language model's `position_ids`: its multimodal rotary
+    positions `[batch, 3, prompt_len + response_len]`, `ketch.models.mrope`), and `rollout_log_probs` `[batch,
+    response_len]` (the sampled tokens' log-probs at the sampling temperature). `meta_info` may override `do_sample` and
     `temperature` for one call (validation decodes greedily), and may give `max_new_tokens` (at most
     `data.max_response_length`) and `stop` (strings that end a response, such as the end of a tool call), as
     the multi-turn loop does for each turn: a backend stops there where it can, else decodes on, and the

@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 
-from ketch.architecture import decoder_blocks, static_decoding_problem
+from ketch.architecture import decoder_blocks, is_vision_model, static_decoding_problem
 from ketch.config.schema import KetchConfig
 from ketch.models import load_causal_lm, stop_token_ids
 from ketch.models.batch_invariant import label_log_probs, make_batch_invariant
+from ketch.models.mrope import continued_positions, has_mrope, rope_positions
 from ketch.models.router_replay import ExpertRouting
 from ketch.models.vision import image_model_inputs, placeholder_token_ids
 from ketch.protocol import DataProto
@@ -78,15 +79,31 @@ class HFRollout(Rollout):
     def generate(self, prompts: DataProto) -> DataProto:
         """See `Rollout.generate`; with `actor.router_replay`, also `routed_experts` `[batch, prompt_len +
         response_len, moe_layers, top_k]`: the experts of every token fed to the model (`ketch.models.router_replay`;
-        zeros at padding and at each response's last token)."""
+        zeros at padding and at each response's last token). A Qwen vision-language model's `position_ids` are its
+        multimodal rotary positions `[batch, 3, prompt_len + response_len]` (`ketch.models.mrope`), computed once
+        here for the decoding and every training forward after it."""
+        prompts = self._with_rope_positions(prompts)
         *decoded, rows = self._decode_together(prompts, self._decode)
         if rows is not None:
             decoded = [values[rows] for values in decoded]
         stops = None if self.config.ignore_eos else self.stop_token_ids
-        out = rollout_output(prompts.to(decoded[0].device), *decoded[:2], stops, self.pad_token_id)
+        prompts = prompts.to(decoded[0].device)
+        out = rollout_output(prompts, *decoded[:2], stops, self.pad_token_id)
+        if prompts.batch["position_ids"].dim() == 3:
+            out.batch["position_ids"] = continued_positions(prompts.batch["position_ids"], out.batch["attention_mask"])
         if self.routing is not None:
             out.batch["routed_experts"] = decoded[2]
         return out
+
+    def _with_rope_positions(self, prompts: DataProto) -> DataProto:
+        """`prompts` with a Qwen vision-language model's multimodal rotary positions as `position_ids` `[batch, 3,
+        prompt_len]`, from its rows' images (`multi_modal_inputs`); other models' prompts as they are."""
+        if not is_vision_model(self.model.config) or not has_mrope(self.model.model):
+            return prompts
+        b = prompts.batch
+        rows = prompts.non_tensor_batch.get("multi_modal_inputs")
+        positions = rope_positions(self.model.model, b["input_ids"], b["attention_mask"], rows)
+        return DataProto(dict(b) | {"position_ids": positions}, prompts.non_tensor_batch, prompts.meta_info)
 
     @torch.no_grad()
     def warm_up(self, prompts: DataProto) -> None:
@@ -164,7 +181,8 @@ class HFRollout(Rollout):
         b = prompts.batch
         args = (self.max_response_length, sampling, stops, self.pad_token_id, stop_after)
         images = prompts.non_tensor_batch.get("multi_modal_inputs")
-        decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args, images=images)
+        positions = b["position_ids"] if b["position_ids"].dim() == 3 else None
+        decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args, images=images, positions=positions)
         return decoded if self.routing is None else (*decoded, self.decoder.routed_experts)
 
     def _generation_config(

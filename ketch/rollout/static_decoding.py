@@ -38,6 +38,7 @@ from ketch.architecture import (
     static_decoding_problem,
 )
 from ketch.compiled import eager, saved_compile
+from ketch.models.mrope import has_mrope, rope_positions
 from ketch.models.router_replay import ExpertRouting, compact_dtype
 from ketch.models.vision import image_model_inputs
 from ketch.rollout.decode_attention import use_cached_attention
@@ -305,9 +306,11 @@ class StaticDecoder:
         pad_token_id: int,
         stop_after: int | None = None,
         images: list[dict] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]` (with
-        `images`, each row's `multi_modal_inputs` for a vision-language model: read at prefill).
+        `images`, each row's `multi_modal_inputs` for a vision-language model: read at prefill; `positions`, a Qwen
+        one's multimodal rotary positions `[batch, 3, prompt_len]` as the rollout computed them, else computed here).
         After a row's first stop token its tokens are `pad_token_id` (log-prob 0); `stop_token_ids=None`
         decodes every row to the full length. With `buckets`, the batch runs padded to the next power of two
         rows (at least `min_rows`) and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a
@@ -317,7 +320,7 @@ class StaticDecoder:
         rows, prompt_len = input_ids.shape
         args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
         if not self.buckets:
-            return self._generate(input_ids, attention_mask, *args, images=images)
+            return self._generate(input_ids, attention_mask, *args, images=images, positions=positions)
         extra_rows = max(self.min_rows, 1 << (rows - 1).bit_length()) - rows
         extra_len = -prompt_len % PROMPT_BUCKET
         room = self.longest_prompt + max_new_tokens - min(max_new_tokens, stop_after or max_new_tokens) - prompt_len
@@ -327,7 +330,9 @@ class StaticDecoder:
         attention_mask = nn.functional.pad(attention_mask, (extra_len, 0, 0, extra_rows))
         attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
         images = None if images is None else [*images, *[{}] * extra_rows]
-        tokens, log_probs = self._generate(input_ids, attention_mask, *args, active_rows=rows, images=images)
+        positions = None if positions is None else nn.functional.pad(positions, (extra_len, 0, 0, 0, 0, extra_rows))
+        more = {"active_rows": rows, "images": images, "positions": positions}
+        tokens, log_probs = self._generate(input_ids, attention_mask, *args, **more)
         if self.routing is not None:
             self.routed_experts = self.routed_experts[:rows, extra_len:]
         return tokens[:rows], log_probs[:rows]
@@ -343,6 +348,7 @@ class StaticDecoder:
         stop_after: int | None = None,
         active_rows: int | None = None,
         images: list[dict] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`generate` on a batch as it is; rows from `active_rows` on count as finished from the start."""
         batch, prompt_len = input_ids.shape
@@ -352,7 +358,7 @@ class StaticDecoder:
         timed = self.compiled and shape not in self.seen  # a shape's first decode is logged, with its prompt's part
         start = time.perf_counter()
         b = self._buffers(*shape, device)
-        positions, last = self._positions(input_ids, attention_mask, images)
+        positions, last = self._positions(input_ids, attention_mask, images, positions)
         active = batch if active_rows is None else active_rows
         b.start(attention_mask, last, active, pad_token_id, prompt_len + CHECK_EVERY)
         experts = self._experts(batch, shape[1], device)
@@ -392,19 +398,17 @@ class StaticDecoder:
             self.routed_experts = nn.functional.pad(experts[:, :end], (0, 0, 0, 0, *pad))
         return tokens, nn.functional.pad(out[1][:, prompt_len:end], pad)
 
-    def _positions(self, input_ids, attention_mask, images) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts' positions `[batch, prompt_len]` (with images, a Qwen vision-language model's multimodal
-        rotary positions `[3, batch, prompt_len]`, from its own `get_rope_index`) and the position `[batch, 1]`
-        after which each row's response counts on (past an image, the text position plus the row's offset)."""
+    def _positions(self, input_ids, attention_mask, images, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' positions `[batch, prompt_len]` (a Qwen vision-language model's multimodal rotary positions
+        `[3, batch, prompt_len]`: `rotary` `[batch, 3, prompt_len]` where given, else, with images, from
+        `ketch.models.mrope`) and the position `[batch, 1]` after which each row's response counts on (the largest
+        of its prompt's: past an image, the text position plus the row's offset)."""
         text = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        inputs = image_model_inputs(self.model.config, input_ids, images) if images is not None else {}
-        if "image_grid_thw" not in inputs:
+        if rotary is None and images is not None and any(images) and has_mrope(self.model.model):
+            rotary = rope_positions(self.model.model, input_ids, attention_mask, images)
+        if rotary is None:
             return text, text[:, -1:]
-        types, grid = inputs["mm_token_type_ids"], inputs["image_grid_thw"]
-        rotary, offset = self.model.model.get_rope_index(
-            input_ids, types, image_grid_thw=grid, attention_mask=attention_mask
-        )
-        return rotary, text[:, -1:] + offset
+        return rotary.transpose(0, 1), rotary.amax(dim=(1, 2)).unsqueeze(1)
 
     def _experts(self, batch: int, length: int, device: torch.device) -> torch.Tensor | None:
         """With `routing`: zeros `[batch, length, moe_layers, top_k]` for the experts of a batch's tokens."""

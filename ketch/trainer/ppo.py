@@ -33,7 +33,7 @@ from ketch.data.batching import pad_token_id
 from ketch.data.prompt_loader import PromptLoader
 from ketch.engine.lora import check_lora
 from ketch.models import check_value_head, load_model_config
-from ketch.models.vision import image_processor_for
+from ketch.models.vision import image_processor_for, is_vision_model
 from ketch.protocol import DataProto
 from ketch.rewards import RewardScorer
 from ketch.rollout.multi_turn.metrics import ToolFailureWatch
@@ -115,7 +115,14 @@ class PPOTrainer(TrainingLoop):
         if c.use_critic:
             key = "critic.model_path" if c.critic.model_path else "model.path"
             path = c.critic.model_path or self.model_path
-            check_value_head(load_model_config(path, c.model.trust_remote_code), f"{key}={path}")
+            critic_config = load_model_config(path, c.model.trust_remote_code)
+            check_value_head(critic_config, f"{key}={path}")
+            if is_vision_model(critic_config) != is_vision_model(model_config):
+                raise ConfigError(
+                    f"{key}={path} is {'a vision-language' if is_vision_model(critic_config) else 'a text-only'} "
+                    f"model and the policy (model.path={self.model_path}) is not: the critic reads the policy's "
+                    "batches, images included where there are any; give the critic a model of the policy's kind"
+                )
         if c.use_critic and c.critic.lora.enabled:
             critic_path = c.critic.model_path and local_or_hub(c.critic.model_path)
             critic_config = load_model_config(critic_path, c.model.trust_remote_code) if critic_path else model_config

@@ -18,6 +18,7 @@ from ketch.engine.heads import ValueModel
 from ketch.engine.lora import ADAPTER_DIR, add_lora, peft_config, write_adapter, write_adapter_config
 from ketch.engine.packing import packing_enabled
 from ketch.models import load_critic
+from ketch.models.vision import freeze_vision_tower, is_vision_model
 from ketch.protocol import DataProto
 from ketch.workers.common import (
     DeviceMemory,
@@ -48,6 +49,8 @@ class CriticWorker(DeviceMemory, Worker):
         dtype = (mixed or torch.float32) if c.critic.lora.enabled else torch.float32  # a frozen base: no master copy
         critic = load_critic(self.base_path, dtype, m.attn_implementation, m.trust_remote_code)
         self.hf_config = critic.config
+        if m.freeze_vision_tower and is_vision_model(critic.config):
+            freeze_vision_tower(critic)
         if m.use_liger:
             fuse_kernels(critic, self.device)
         if c.critic.strategy == "megatron":

@@ -92,6 +92,8 @@ class RewardModelWorker(DeviceMemory, Worker):
         `response_mask`, optional non-tensor `raw_prompt`)."""
         if self.actor_tokenizer is None:
             inputs = data.select(["input_ids", "attention_mask", "position_ids", "responses"], [], [])
+            if inputs.batch["position_ids"].dim() == 3:  # a vision-language policy's multimodal ones: not its own
+                inputs.batch["position_ids"] = position_ids(inputs.batch["attention_mask"])
         else:
             stops = stop_token_ids(self.actor_tokenizer, self.actor_model_path, self.config.rollout.stop_token_ids)
             chat_template = self.config.reward.model.chat_template
