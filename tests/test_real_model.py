@@ -161,7 +161,7 @@ def test_vllm_serves_the_export_and_answers_a_chat_request(smollm2_run, tmp_path
     command = [sys.executable, "-m", "ketch", "serve", str(export), "--port", str(port)]
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen(
-        [*command, "--gpu-memory-utilization", "0.1"],
+        [*command, "--gpu-memory-utilization", "0.1", "--enforce-eager"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

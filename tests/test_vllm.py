@@ -184,8 +184,8 @@ def test_ppo_with_vllm_rollouts_raises_accuracy_on_the_builtin_task(tmp_path):
             "actor.ppo_mini_batch_size=null",
             "data.max_response_length=16",
             "actor.optim.lr=2e-4",
-            "trainer.total_steps=100",
-            "trainer.test_freq=100",
+            "trainer.total_steps=30",
+            "trainer.test_freq=30",
             "trainer.device=cpu",
             "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={tmp_path}",
@@ -195,6 +195,7 @@ def test_ppo_with_vllm_rollouts_raises_accuracy_on_the_builtin_task(tmp_path):
     trainer.fit()
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
     first, last = records[0]["val/ketch/arithmetic/acc"], records[-1]["val/ketch/arithmetic/acc"]
+    # Measured: 0.176 -> 0.262 in 30 steps (twice); validating every 10 steps of 100: 0.309 at 30, 0.352 at 50.
     assert last >= first + 0.05, f"validation accuracy went from {first:.3f} to {last:.3f}"
 
 
@@ -233,7 +234,7 @@ def test_an_exported_model_answers_http_completions_through_ketch_serve(vllm_act
     group.save_pretrained(str(model_dir), engine)
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "ketch", "serve", str(model_dir), "--port", str(port)],
+        [sys.executable, "-m", "ketch", "serve", str(model_dir), "--port", str(port), "--enforce-eager"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
