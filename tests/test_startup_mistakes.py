@@ -47,8 +47,8 @@ def test_an_unknown_tool_names_the_registered_ones(capsys, tmp_path, task_files)
     overrides = ("rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]")
     message = start(capsys, tmp_path, task_files, *overrides)
     assert message == (
-        "rollout.multi_turn.tools: unknown tool 'calculator'; registered tools: ['calculate', 'python'], or give a "
-        "path/to/tools.py file\n"
+        "rollout.multi_turn.tools: unknown tool 'calculator'; registered tools: ['calculate', 'draw_dots', "
+        "'python'], or give a path/to/tools.py file\n"
     )
     assert doctor_row("tools", *overrides).status == "FAIL"
 

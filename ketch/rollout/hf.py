@@ -89,7 +89,7 @@ class HFRollout(Rollout):
         stops = None if self.config.ignore_eos else self.stop_token_ids
         prompts = prompts.to(decoded[0].device)
         out = rollout_output(prompts, *decoded[:2], stops, self.pad_token_id)
-        if prompts.batch["position_ids"].dim() == 3:
+        if _rope_positions(prompts) is not None:
             out.batch["position_ids"] = continued_positions(prompts.batch["position_ids"], out.batch["attention_mask"])
         if self.routing is not None:
             out.batch["routed_experts"] = decoded[2]
@@ -181,7 +181,7 @@ class HFRollout(Rollout):
         b = prompts.batch
         args = (self.max_response_length, sampling, stops, self.pad_token_id, stop_after)
         images = prompts.non_tensor_batch.get("multi_modal_inputs")
-        positions = b["position_ids"] if b["position_ids"].dim() == 3 else None
+        positions = _rope_positions(prompts)
         decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args, images=images, positions=positions)
         return decoded if self.routing is None else (*decoded, self.decoder.routed_experts)
 
@@ -297,3 +297,10 @@ def _own_weight_memory(model: nn.Module) -> None:
     for param in model.parameters():
         if not param.untyped_storage().resizable():
             param.data = param.data.clone()
+
+
+def _rope_positions(prompts: DataProto) -> torch.Tensor | None:
+    """The prompts' multimodal rotary positions `[batch, 3, prompt_len]`, or None where they have none (text
+    models' `position_ids` are `[batch, prompt_len]`, and a caller may give none)."""
+    positions = prompts.batch.get("position_ids")
+    return positions if positions is not None and positions.dim() == 3 else None
