@@ -509,6 +509,9 @@ def summarize(records: list[dict], s: dict, args, rows: int, config) -> dict:
     partial = sorted(k for k in records[0] if k.startswith("partial/"))
     if partial:  # rollout.partial: the trajectories carried, their staleness, the tokens dropped, per timed step
         result["partial"] = {k: [r[k] for r in records] for k in partial}
+    mismatch = sorted(k for k in records[0] if k.startswith("training/rollout_probs_diff"))
+    if mismatch:  # the rollout's log-probs against the training forward's, per timed step
+        result["mismatch"] = {k: [r[k] for r in records] for k in mismatch}
     if args.device == "cuda":
         flops = [(4 if args.lora_rank else 6) * params * t for t in tokens]
         result["update_mfu"] = _median_rate(flops, records, "update_actor") / (PEAK_BF16_FLOPS["cuda"] * train_devices)
