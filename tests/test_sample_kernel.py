@@ -29,7 +29,7 @@ CASE = textwrap.dedent(
               "log_prob_diff": (log_prob - expected.gather(-1, token[:, None]).squeeze(-1)).abs().max().item()}
 
     # tokens 10, 4100 and 4199 with probabilities 0.5, 0.3 and 0.2 at temperature 2; 100 tokens nearly never drawn
-    logits = torch.full((600, 4200), float("-inf"))
+    logits = torch.full((300, 4200), float("-inf"))
     logits[:, [10, 4100, 4199]] = 2 * torch.tensor([0.5, 0.3, 0.2]).log()
     logits[:, 4150:4170] = -30.0
     token, log_prob = sample(logits, 2.0, True, torch.tensor([123]))
@@ -47,9 +47,9 @@ CASE = textwrap.dedent(
 
 def test_kernel_takes_the_argmax_or_draws_from_the_softmax_by_seed():
     """Greedy on 6 rows of 9000 bf16 logits (three chunks): torch's argmax, the last token, a chunk of -inf,
-    a tie across chunks; sampled on 600 rows at temperature 2: frequencies 0.5/0.3/0.2 within 0.07 (the draws
-    are fixed by the seed: a row's draw depends on the seed and the row only), log-probs under the scaled
-    softmax."""
+    a tie across chunks; sampled on 300 rows at temperature 2: frequencies 0.5/0.3/0.2 within 0.07 (the draws
+    are fixed by the seed: a row's draw depends on the seed and the row only; measured 0.470/0.337/0.193), log-probs
+    under the scaled softmax."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", CASE], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
