@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ketch.data.chat_templates import get_chat_template, to_messages
-from ketch.data.images import IMAGE_MARKER, check_image_count, image_tensors, joined_messages, with_image_markers
+from ketch.data.images import IMAGE_MARKER, check_image_count, image_tensors, with_image_markers
 
 _MARK = "KETCH-TURN-MARK"
 """Stands for the model's sampled turn when rendering; the glue is what the template writes after it."""
@@ -65,13 +65,13 @@ class ChatRenderer:
         return self.encode(self._glue_text(new_messages, tools, last_token))
 
     def glue_inputs(
-        self, new_messages: list[dict[str, Any]], tools: list[dict] | None, last_token: int, room: int
+        self, messages: list[dict[str, Any]], images: list, tools: list[dict] | None, last_token: int, room: int
     ) -> tuple[list[int], dict[str, Any], bool]:
-        """`glue_ids` of messages that may hold images (`{"type": "image", "image": ...}` parts), cut to `room`
-        tokens: the ids with each image's vision tokens, the images' tensors (empty without images), and whether
-        the glue fits whole. A glue with images that does not fit is cut before its first image, which it drops:
-        an image's vision tokens are never cut."""
-        messages, images = joined_messages(new_messages)
+        """`glue_ids` of messages whose `<image>` markers stand for `images` (in order; `joined_messages` of
+        `ketch.data.images` gives both from messages with image parts), cut to `room` tokens: the ids with each
+        image's vision tokens, the images' tensors (empty without images), and whether the glue fits whole. A glue
+        with images that does not fit is cut before its first image, which it drops: an image's vision tokens are
+        never cut."""
         text = self._glue_text(messages, tools, last_token)
         ids, inputs = self._with_images(text, images)
         whole = len(ids) <= room

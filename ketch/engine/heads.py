@@ -198,12 +198,11 @@ class ValueModel(_Deterministic):
         backbone reads the images and positions as `PolicyModel`'s does (`image_inputs`; `position_ids` `[batch, 3,
         seq]` where the rollout carried them)."""
         dropout, head = getattr(self.critic, "dropout", nn.Identity()), getattr(self.critic, self.head_name)
+        host = attention_mask if host_attention_mask is None else host_attention_mask
         if self.sequence_parallel is not None:  # zeros where the token before is padding (the critic masks them)
-            host = attention_mask if host_attention_mask is None else host_attention_mask
             args = (input_ids, position_ids, host, response_len, self.sequence_parallel)
             states, _, place = sharded_states(self.critic.base_model, *args, real_only=False)
             return {"values": place(head(dropout(states))[..., 0])}
-        host = attention_mask if host_attention_mask is None else host_attention_mask
         if is_vision_model(self.critic.config):
             args = (input_ids, attention_mask, position_ids, image_inputs or {}, self.packed, host)
             hidden = vision_hidden(self.critic, *args)

@@ -89,8 +89,8 @@ class HFRollout(Rollout):
         stops = None if self.config.ignore_eos else self.stop_token_ids
         prompts = prompts.to(decoded[0].device)
         out = rollout_output(prompts, *decoded[:2], stops, self.pad_token_id)
-        if _rope_positions(prompts) is not None:
-            out.batch["position_ids"] = continued_positions(prompts.batch["position_ids"], out.batch["attention_mask"])
+        if (positions := _rope_positions(prompts)) is not None:
+            out.batch["position_ids"] = continued_positions(positions, out.batch["attention_mask"])
         if self.routing is not None:
             out.batch["routed_experts"] = decoded[2]
         return out

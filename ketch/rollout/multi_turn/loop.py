@@ -106,18 +106,20 @@ class MultiTurnRollout(Rollout):
         return rows.to(next(iter(prompts.batch.values())).device)
 
     def _answer(self, t: Trajectory, env: Environment, answer: tuple) -> bool:
-        """Append the environment's answer to `t` (cut to the token budget); whether `t` goes on (else it is done)."""
-        messages, reward, done = answer
+        """Append the environment's answer to `t` (cut to the token budget); whether `t` goes on (else it is done).
+        `answer`: `_step`'s, the messages joined into text with their images apart."""
+        messages, images, reward, done = answer
         t.reward = reward if reward is not None else t.reward
         if not done and t.num_turns >= self.max_turns:
             t.cut_by_max_turns = True
         whole = True
         if not done and not t.cut_by_max_turns:
             room = self.max_response_length - len(t.tokens)
-            glue, images, whole = self.renderer.glue_inputs(messages, getattr(env, "tools", None), t.tokens[-1], room)
+            tools = getattr(env, "tools", None)
+            glue, inputs, whole = self.renderer.glue_inputs(messages, images, tools, t.tokens[-1], room)
             t.extend(glue, None)
-            t.add_images(images)
-            t.messages += joined_messages(messages)[0]
+            t.add_images(inputs)
+            t.messages += messages
         t.done = done or t.cut_by_max_turns or not whole or len(t.tokens) >= self.max_response_length
         return not t.done
 
@@ -233,16 +235,18 @@ class MultiTurnRollout(Rollout):
 
 
 def _step(index: int, env: Environment, messages: list[dict[str, Any]], images: bool) -> tuple:
-    """`env.step(messages)`, the answer's content lists with their images decoded (`message_content`); `images`:
+    """`env.step(messages)` as (the answer's messages with their content lists joined into text, the images those
+    held, reward, done): the images decoded (`message_content`) and taken out once (`joined_messages`); `images`:
     whether the model takes them."""
     try:
         answer, reward, done = env.step(messages)
         answer = [
             m if isinstance(m.get("content"), str) else {**m, "content": message_content(m["content"])} for m in answer
         ]
-        if not images and joined_messages(answer)[1]:
+        answer, found = joined_messages(answer)
+        if found and not images:
             raise ValueError("it answered with an image, and the model is text-only")
-        return answer, reward, done
+        return answer, found, reward, done
     except Exception as exc:
         raise RuntimeError(f"multi-turn rollout, row {index}: the environment's step failed: {exc!r}") from exc
 

@@ -151,18 +151,8 @@ def trajectory_rows(
 
 def not_begun(count: int, prompt_width: int, response_width: int, pad: int) -> DataProto:
     """`count` carried rows of trajectories not begun: no messages, no tokens, every count 0."""
-    tensors = {
-        "prompts": torch.full((count, prompt_width), pad, dtype=torch.long),
-        "prompt_length": torch.zeros(count, dtype=torch.long),
-        "responses": torch.full((count, response_width), pad, dtype=torch.long),
-        "response_mask": torch.zeros(count, response_width, dtype=torch.long),
-        "rollout_log_probs": torch.zeros(count, response_width),
-        "response_length": torch.zeros(count, dtype=torch.long),
-        "turn_tokens": torch.zeros(count, dtype=torch.long),
-        "finished": torch.zeros(count, dtype=torch.bool),
-    }
-    columns = {key: np.zeros(count) for key in CARRIED_COLUMNS[1:]} | {"env_reward": np.full(count, np.nan)}
-    return DataProto.from_dict(tensors, {"messages": object_array([[] for _ in range(count)])} | columns)
+    empty = [Trajectory([], []) for _ in range(count)]
+    return trajectory_rows(empty, [{}] * count, prompt_width, response_width, pad)
 
 
 def rollout_fields(carried: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
