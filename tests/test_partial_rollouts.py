@@ -14,6 +14,7 @@ from ketch.config import ConfigError, load_config
 from ketch.config.partial import describe_partial_rollouts
 from ketch.protocol import DataProto
 from ketch.rollout.base import rollout_output
+from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, UNFINISHED
 from ketch.tracking import read_metrics
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts, continuation
@@ -210,8 +211,9 @@ def test_a_round_keeps_a_rows_tokens_up_to_its_stop_or_budget_when_padding_is_a_
         log_probs = -torch.arange(1, 9).float().expand(3, 8) / 10
         return rollout_output(inputs, responses, log_probs, stop_token_ids=[1], pad_token_id=1)
 
-    out = buffer._continue(rows, step=2, generate=generate).batch
+    out = buffer._continue(rows, step=2, generate=generate, groups=torch.tensor([0, 0, 1]), needed=1).batch
     assert calls[0].meta_info["max_new_tokens"] == 3
+    assert calls[0].batch[GROUP_INDEX].tolist() == [0, 0, 1] and calls[0].meta_info[FINISH_FRACTION] == 0.5
     assert calls[0].batch["input_ids"].tolist()[2] == [9, 9, 4, 4, 4, 4, 4, 4]
     assert out["responses"].tolist() == [[5, 6, 7, 1, 1, 1, 1, 1], [5, 1, 1, 1, 1, 1, 1, 1], [4, 4, 4, 4, 4, 4, 5, 6]]
     assert out["response_length"].tolist() == [3, 2, 8]
@@ -247,3 +249,50 @@ def test_the_static_decoder_stops_at_a_rounds_tokens_as_generate_does(tiny_confi
         atol=1e-5,
         rtol=0,
     )
+
+
+def test_the_static_decoder_stops_a_round_once_enough_groups_are_finished(tiny_config):
+    """8 sampled rows in 4 groups of 2, a quarter of the groups needed: the decoder stops at its first check (every
+    16 tokens) with a group finished, and cuts the rows still going there; the same seed without the stop gives the
+    same tokens, decoded to their ends."""
+    stops = "rollout.stop_token_ids=[21,22,23,24]"
+    group = actor_group(tiny_config("data.max_response_length=64", "rollout.hf_decoding=static", stops))
+    batch = prompts(tiny_config(), rows=8)
+    torch.manual_seed(0)
+    whole = group.generate_sequences(batch).batch
+    batch.batch[GROUP_INDEX] = torch.arange(8) // 2
+    batch.meta_info[FINISH_FRACTION] = 0.25
+    torch.manual_seed(0)
+    cut = group.generate_sequences(batch).batch
+    # the groups end at 39, 45, 64 and 17 tokens: at the check after 32 tokens the last group is finished
+    assert whole["response_mask"].sum(-1).tolist() == [39, 6, 1, 45, 7, 64, 17, 7] and UNFINISHED not in whole
+    assert cut["response_mask"].sum(-1).tolist() == [32, 6, 1, 32, 7, 32, 17, 7]
+    assert cut[UNFINISHED].tolist() == [True, False, False, True, False, True, False, False]
+    kept = cut["response_mask"].bool()
+    assert torch.equal(cut["responses"][kept], whole["responses"][kept]) and (cut["responses"][~kept] == 0).all()
+    assert torch.equal(cut["rollout_log_probs"][kept], whole["rollout_log_probs"][kept])
+    assert torch.equal(cut["attention_mask"][:, -64:], cut["response_mask"])
+
+
+@pytest.mark.parametrize(
+    ("decoding", "left_lengths", "left_finished"),
+    [("generate", [3, 13, 58, 18], [True] * 4), ("static", [16, 6, 16, 11], [False, True, False, True])],
+)
+def test_a_round_of_the_whole_length_ends_once_the_batch_is_finished_on_the_static_decoder(
+    tiny_config, decoding, left_lengths, left_finished
+):
+    # one round of the whole response length (max_staleness=0) for 6 groups of 2: generate decodes every row to its
+    # end (up to 58 tokens), the static decoder stops at its first check (16 tokens) with 4 groups finished and
+    # carries the 2 rows cut there to the next step; the 2 groups not begun (over-sampled prompts) stay too
+    config = tiny_config(
+        *PARTIAL, GRPO, "rollout.stop_token_ids=[21,22,23,24]", "data.max_response_length=64",
+        "rollout.partial.max_staleness=0", f"rollout.hf_decoding={decoding}", "trainer.total_steps=1",
+    )  # fmt: skip
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    (record,) = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert record["partial/rounds"] == 1.0
+    assert record["partial/carried_unfinished"] == left_finished.count(False)
+    left = trainer.partial.rows.batch
+    assert left["response_length"].tolist() == [*left_lengths, 0, 0, 0, 0]
+    assert left["finished"].tolist() == [*left_finished, False, False, False, False]

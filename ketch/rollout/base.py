@@ -157,14 +157,17 @@ def rollout_output(
     log_probs: torch.Tensor,
     stop_token_ids: list[int] | None,
     pad_token_id: int,
+    cut_at: torch.Tensor | None = None,
 ) -> DataProto:
     """A backend's sampled `responses` and their `log_probs` `[batch, response_len]` as the `Rollout` fields:
     tokens after each row's first stop token become padding; `stop_token_ids=None` (`rollout.ignore_eos`)
-    keeps every token."""
+    keeps every token; `cut_at` `[batch]`: a row's tokens end there at the latest (a backend stopped it early)."""
     if stop_token_ids is None:
         response_mask = torch.ones_like(responses)
     else:
         response_mask = response_mask_from_stops(responses, stop_token_ids)
+    if cut_at is not None:
+        response_mask = response_mask * (torch.arange(responses.shape[1], device=responses.device) < cut_at[:, None])
     result = assemble_sequences(prompts, responses.masked_fill(response_mask == 0, pad_token_id), response_mask)
     result.batch["rollout_log_probs"] = log_probs * response_mask
     return result

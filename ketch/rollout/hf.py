@@ -22,6 +22,7 @@ from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.exact_decoding import ExactDecoder
 from ketch.rollout.fp8 import FP8Projections
+from ketch.rollout.group_stop import UNFINISHED, GroupStop
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
@@ -88,11 +89,14 @@ class HFRollout(Rollout):
             decoded = [values[rows] for values in decoded]
         stops = None if self.config.ignore_eos else self.stop_token_ids
         prompts = prompts.to(decoded[0].device)
-        out = rollout_output(prompts, *decoded[:2], stops, self.pad_token_id)
+        responses, log_probs, cut_at = decoded[:3]
+        out = rollout_output(prompts, responses, log_probs, stops, self.pad_token_id, cut_at)
+        if GroupStop.of(prompts) is not None:
+            out.batch[UNFINISHED] = cut_at < self.max_response_length
         if (positions := _rope_positions(prompts)) is not None:
             out.batch["position_ids"] = continued_positions(positions, out.batch["attention_mask"])
         if self.routing is not None:
-            out.batch["routed_experts"] = decoded[2]
+            out.batch["routed_experts"] = decoded[3]
         return out
 
     def _with_rope_positions(self, prompts: DataProto) -> DataProto:
@@ -124,8 +128,9 @@ class HFRollout(Rollout):
             return *decode(together.to(device)), rows
 
     def _decode(self, prompts: DataProto, stop_after: int | None = None) -> tuple[torch.Tensor, ...]:
-        """`responses` and their log-probs `[batch, max_response_length]` (and with `routing`, the experts `[batch,
-        prompt_len + max_response_length, moe_layers, top_k]`), decoded in sub-batches of
+        """`responses` and their log-probs `[batch, max_response_length]`, each row's tokens where a group stop cut
+        it (`cut_at` `[batch]`, `max_response_length` where none did; `StaticDecoder.generate`), and with `routing`,
+        the experts `[batch, prompt_len + max_response_length, moe_layers, top_k]`, decoded in sub-batches of
         `rows_per_batch` rows; `stop_after`: see `StaticDecoder`."""
         rows = rows_per_batch(
             self.config.max_num_batched_tokens, prompts.batch["input_ids"].shape[-1], self.max_response_length
@@ -160,7 +165,8 @@ class HFRollout(Rollout):
             if hook is not None:
                 hook.remove()
         responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
-        decoded = responses, self._log_probs(out.logits, responses, temperature)
+        uncut = torch.full((len(responses),), self.max_response_length, device=responses.device)
+        decoded = responses, self._log_probs(out.logits, responses, temperature), uncut
         return decoded if self.routing is None else (*decoded, self._generated_experts(forwards, prompt_ids.shape))
 
     def _generated_experts(self, forwards: list, shape: torch.Size) -> torch.Tensor:
@@ -182,7 +188,8 @@ class HFRollout(Rollout):
         args = (self.max_response_length, sampling, stops, self.pad_token_id, stop_after)
         images = prompts.non_tensor_batch.get("multi_modal_inputs")
         positions = _rope_positions(prompts)
-        decoded = self.decoder.generate(b["input_ids"], b["attention_mask"], *args, images=images, positions=positions)
+        more = {"images": images, "positions": positions, "group_stop": GroupStop.of(prompts)}
+        decoded = (*self.decoder.generate(b["input_ids"], b["attention_mask"], *args, **more), self.decoder.cut_at)
         return decoded if self.routing is None else (*decoded, self.decoder.routed_experts)
 
     def _generation_config(

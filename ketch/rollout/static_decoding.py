@@ -44,6 +44,7 @@ from ketch.models.vision import image_model_inputs
 from ketch.rollout.decode_attention import use_cached_attention
 from ketch.rollout.decode_buffers import DecodeBuffers
 from ketch.rollout.fused_projections import fuse_projections
+from ketch.rollout.group_stop import GroupStop
 from ketch.rollout.moe_decode import decoding, use_fixed_shape_experts
 from ketch.rollout.sampling import Sampling, compiled_sampler
 
@@ -137,6 +138,9 @@ class StaticDecoder:
         self.weights: list[int] = []
         self.routing: ExpertRouting | None = None
         """Set (attached) to record each token's experts: `generate` then leaves them in `routed_experts`."""
+        self.group_stop: GroupStop | None = None
+        self.cut_at = torch.zeros(0, dtype=torch.long)
+        """The last `generate`'s tokens of each row where its `group_stop` cut it (see `generate`)."""
         self.routed_experts: torch.Tensor | None = None
         """With `routing`: the last `generate`'s experts of each prompt token and each token fed back, `[batch,
         prompt_len + max_new_tokens, moe_layers, top_k]` (zeros where no token was fed: the last, padding)."""
@@ -307,6 +311,7 @@ class StaticDecoder:
         stop_after: int | None = None,
         images: list[dict] | None = None,
         positions: torch.Tensor | None = None,
+        group_stop: GroupStop | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`responses` and their `log_probs` `[batch, max_new_tokens]` for prompts `[batch, prompt_len]` (with
         `images`, each row's `multi_modal_inputs` for a vision-language model: read at prefill; `positions`, a Qwen
@@ -316,9 +321,13 @@ class StaticDecoder:
         rows (at least `min_rows`) and a multiple of `PROMPT_BUCKET` prompt tokens (more left padding), so that a
         few compiled shapes serve every batch; the padding rows are dropped from the result. `stop_after` decodes
         only that many tokens (the rest are `pad_token_id`) in the shape of `max_new_tokens`: a warm-up, or a
-        partial rollout's round, whose prompts may be longer than the longest prompt (see `_length`)."""
+        partial rollout's round, whose prompts may be longer than the longest prompt (see `_length`). With
+        `group_stop`, decoding stops once enough groups of rows are finished, and `cut_at` `[batch]` holds each row's
+        tokens at that point (`max_new_tokens` for the rows the stop did not cut; `ketch.rollout.group_stop`)."""
         rows, prompt_len = input_ids.shape
         args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
+        self.cut_at = torch.full((rows,), max_new_tokens, dtype=torch.long, device=input_ids.device)
+        self.group_stop = None if group_stop is None else group_stop.to(input_ids.device)
         if not self.buckets:
             return self._generate(input_ids, attention_mask, *args, images=images, positions=positions)
         extra_rows = max(self.min_rows, 1 << (rows - 1).bit_length()) - rows
@@ -372,6 +381,9 @@ class StaticDecoder:
             if t % CHECK_EVERY == 0:
                 unfinished = (~b.done).nonzero().squeeze(1)
                 if len(unfinished) == 0:
+                    break
+                if self.group_stop is not None and self.group_stop.reached(rows[unfinished]):
+                    self.cut_at[rows[unfinished]] = t
                     break
                 slots = prompt_len + t - 1 + CHECK_EVERY  # the next check comes before any row writes slot `slots`
                 b.provide(unfinished.tolist(), slots)

@@ -5,7 +5,8 @@ under way (their tokens and rollout log-probs so far) and finished ones. A step 
 `in_flight_prompts` groups in flight, drops the trajectories begun more than `max_staleness` steps ago (they begin
 again from their prompt), then generates in rounds: every unfinished trajectory in flight continues for
 `round_tokens` tokens, its prompt and response so far as the backend's prompt, until `data.train_batch_size`
-groups have every sample finished. Those groups, oldest first, are the step's batch; the rest stays for the next
+groups have every sample finished (the static decoder stops a round there, cutting the other rows where they are:
+`ketch.rollout.group_stop`). Those groups, oldest first, are the step's batch; the rest stays for the next
 step, whose weights are newer. A group is used only when all its samples are finished, so group estimators (GRPO)
 see whole groups. The tokens a trajectory sampled in earlier steps keep the log-probs of the weights that sampled
 them (`rollout_log_probs`), which truncated importance sampling (`actor.rollout_is`) corrects against.
@@ -32,6 +33,7 @@ from ketch.config.partial import in_flight_prompts, round_tokens
 from ketch.config.schema import KetchConfig
 from ketch.protocol import DataProto
 from ketch.rollout.base import assemble_sequences
+from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, UNFINISHED
 from ketch.rollout.multi_turn.trajectory import (
     CARRIED_COLUMNS,
     CARRIED_TENSORS,
@@ -130,18 +132,21 @@ class PartialRollouts:
 
     def _generate(self, rows: DataProto, step: int, generate: Generate) -> tuple[DataProto, int]:
         """Rounds of `round_tokens` tokens for the unfinished samples of the groups in flight, until
-        `data.train_batch_size` groups are finished; returns the rows and the number of rounds."""
+        `data.train_batch_size` groups are finished (a backend that can stops a round there); returns the rows
+        and the number of rounds."""
         rounds = 0
         in_flight = torch.arange(len(rows)) < self.in_flight * self.n
-        while self._finished_groups(rows).sum() < self.batch_size:
+        while (finished := int(self._finished_groups(rows).sum())) < self.batch_size:
             index = (in_flight & ~rows.batch["finished"]).nonzero().squeeze(-1)
-            rows = _replace_rows(rows, index, self._continue(rows[index], step, generate))
+            part = self._continue(rows[index], step, generate, index // self.n, self.batch_size - finished)
+            rows = _replace_rows(rows, index, part)
             rounds += 1
         return rows, rounds
 
-    def _continue(self, part: DataProto, step: int, generate: Generate) -> DataProto:
+    def _continue(self, part: DataProto, step: int, generate: Generate, groups: torch.Tensor, needed: int) -> DataProto:
         """`part`'s trajectories, each continued for up to `round_tokens` tokens (fewer where it stops or reaches
-        `data.max_response_length`): the backend's prompt is a row's prompt and response so far (`continuation`)."""
+        `data.max_response_length`, or where the backend stops once `needed` of the rows' `groups` `[rows]` are
+        finished): the backend's prompt is a row's prompt and response so far (`continuation`)."""
         if self.multi_turn:
             return self._continue_turns(part, step, generate)
         b = part.batch
@@ -150,18 +155,22 @@ class PartialRollouts:
             b["input_ids"], b["attention_mask"], b["responses"], b["response_length"], self.pad_token_id
         )
         inputs.meta_info["max_new_tokens"] = int(allowed.max())
+        inputs.batch[GROUP_INDEX] = groups
+        inputs.meta_info[FINISH_FRACTION] = needed / len(groups.unique())
         out = generate(inputs).batch
         # a backend's response_mask covers its tokens up to and including a stop token: at most `allowed` of them
-        # is a stop; more (decoding past the budget, or padding read as a stop) is a cut
+        # is a stop; more (decoding past the budget, or padding read as a stop) is a cut, and so is a row the
+        # backend stopped early (`unfinished`)
         produced = out["response_mask"].sum(-1)
         taken = torch.minimum(produced, allowed)
         length = b["response_length"] + taken
+        stopped = (produced <= allowed) & ~out.get(UNFINISHED, torch.zeros_like(produced, dtype=torch.bool))
         part = part.select()
         part.batch |= {
             "responses": _append(b["responses"], out["responses"], b["response_length"], taken),
             "rollout_log_probs": _append(b["rollout_log_probs"], out["rollout_log_probs"], b["response_length"], taken),
             "response_length": length,
-            "finished": (produced <= allowed) | (length >= self.max_length),
+            "finished": stopped | (length >= self.max_length),
             "first_step": torch.where(b["first_step"] > 0, b["first_step"], step),
         }
         return part

@@ -1,0 +1,48 @@
+"""Stopping a generation once enough groups of rows have finished: partial rollouts (`ketch.trainer.partial`) need
+`data.train_batch_size` prompts with every sample finished, not every row of the prompts in flight.
+
+The caller gives each row its group (`GROUP_INDEX` `[batch]` in the prompts, e.g. its prompt's) and the share of the
+groups present that must finish (`FINISH_FRACTION` in `meta_info`). A backend that looks at its rows between tokens
+(the static decoder) stops once that share of its groups, rounded up, have every row finished, and returns
+`UNFINISHED` `[batch]` bool: the rows it stopped before their stop token and their token budget, whose tokens so far
+are their response (the response mask ends there). A share rather than a count, so that each rank of a worker group
+judges its own rows: their groups' shares add up to the caller's count. Backends that decode every row to its end
+(`generate`, vLLM) ignore both."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ketch.protocol import DataProto
+
+GROUP_INDEX = "group_index"
+FINISH_FRACTION = "finish_fraction"
+UNFINISHED = "unfinished"
+
+
+@dataclass
+class GroupStop:
+    """`groups` `[batch]`: each row's group; the call may stop once `needed` of its `count` groups are finished."""
+
+    groups: torch.Tensor
+    needed: int
+    count: int
+
+    @classmethod
+    def of(cls, prompts: DataProto) -> GroupStop | None:
+        """The stop `prompts` ask for (see the module docstring), or None."""
+        if GROUP_INDEX not in prompts.batch or FINISH_FRACTION not in prompts.meta_info:
+            return None
+        groups = prompts.batch[GROUP_INDEX]
+        count = len(groups.unique())
+        return cls(groups, math.ceil(prompts.meta_info[FINISH_FRACTION] * count - 1e-6), count)
+
+    def reached(self, unfinished_rows: torch.Tensor) -> bool:
+        """Whether enough groups are finished when every row but `unfinished_rows` `[k]` (row indices) is."""
+        return self.count - len(self.groups[unfinished_rows].unique()) >= self.needed
+
+    def to(self, device: torch.device) -> GroupStop:
+        return GroupStop(self.groups.to(device), self.needed, self.count)
