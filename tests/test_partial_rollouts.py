@@ -14,7 +14,7 @@ from ketch.config import ConfigError, load_config
 from ketch.config.partial import describe_partial_rollouts
 from ketch.protocol import DataProto
 from ketch.rollout.base import rollout_output
-from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, UNFINISHED
+from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, MUST_FINISH, UNFINISHED
 from ketch.tracking import read_metrics
 from ketch.trainer.loop import RunFailedError
 from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts, continuation
@@ -272,6 +272,33 @@ def test_the_static_decoder_stops_a_round_once_enough_groups_are_finished(tiny_c
     assert torch.equal(cut["responses"][kept], whole["responses"][kept]) and (cut["responses"][~kept] == 0).all()
     assert torch.equal(cut["rollout_log_probs"][kept], whole["rollout_log_probs"][kept])
     assert torch.equal(cut["attention_mask"][:, -64:], cut["response_mask"])
+    # row 0 must finish (the staleness bound would drop it): the stop waits for its 39 tokens, to the check at 48
+    batch.batch[MUST_FINISH] = torch.arange(8) == 0
+    torch.manual_seed(0)
+    waited = group.generate_sequences(batch).batch
+    assert waited["response_mask"].sum(-1).tolist() == [39, 6, 1, 45, 7, 48, 17, 7]
+    assert waited[UNFINISHED].tolist() == [False] * 5 + [True, False, False]
+
+
+def test_a_trajectory_in_its_last_step_must_finish_and_may_pass_the_rounds_tokens(tiny_config):
+    # at step 3 with max_staleness=2, a trajectory begun at step 1 is dropped unless it finishes now: the backend may
+    # not cut it (must_finish) and it gets the 4 tokens it has left, more than a round's 3
+    config = tiny_config(*PARTIAL, "rollout.partial.round_tokens=3", "rollout.partial.max_staleness=2")
+    buffer = PartialRollouts(config, pad_token_id=0)
+    prompt = torch.tensor([[9, 9]] * 3)
+    rows = buffer._add(None, DataProto.from_dict({"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}))
+    rows.batch |= {"response_length": torch.tensor([0, 2, 4]), "first_step": torch.tensor([0, 2, 1])}
+    calls = []
+
+    def generate(inputs: DataProto) -> DataProto:
+        calls.append(inputs)
+        responses = torch.tensor([[5, 1] + [0] * 6] * 3)
+        return rollout_output(inputs, responses, torch.zeros(3, 8), stop_token_ids=[1], pad_token_id=0)
+
+    out = buffer._continue(rows, step=3, generate=generate, groups=torch.tensor([0, 0, 1]), needed=1).batch
+    assert calls[0].batch[MUST_FINISH].tolist() == [False, False, True]
+    assert calls[0].meta_info["max_new_tokens"] == 4
+    assert out["response_length"].tolist() == [2, 4, 6] and out["finished"].all()
 
 
 @pytest.mark.parametrize(
@@ -281,12 +308,12 @@ def test_the_static_decoder_stops_a_round_once_enough_groups_are_finished(tiny_c
 def test_a_round_of_the_whole_length_ends_once_the_batch_is_finished_on_the_static_decoder(
     tiny_config, decoding, left_lengths, left_finished
 ):
-    # one round of the whole response length (max_staleness=0) for 6 groups of 2: generate decodes every row to its
-    # end (up to 58 tokens), the static decoder stops at its first check (16 tokens) with 4 groups finished and
-    # carries the 2 rows cut there to the next step; the 2 groups not begun (over-sampled prompts) stay too
+    # one round of the whole response length for 6 groups of 2: generate decodes every row to its end (up to 58
+    # tokens), the static decoder stops at its first check (16 tokens) with 4 groups finished and carries the 2 rows
+    # cut there to the next step (max_staleness=1 keeps them); the 2 groups not begun (over-sampled prompts) stay too
     config = tiny_config(
         *PARTIAL, GRPO, "rollout.stop_token_ids=[21,22,23,24]", "data.max_response_length=64",
-        "rollout.partial.max_staleness=0", f"rollout.hf_decoding={decoding}", "trainer.total_steps=1",
+        "rollout.partial.round_tokens=64", f"rollout.hf_decoding={decoding}", "trainer.total_steps=1",
     )  # fmt: skip
     trainer = PPOTrainer(config)
     trainer.fit()

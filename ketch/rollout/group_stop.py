@@ -5,9 +5,10 @@ The caller gives each row its group (`GROUP_INDEX` `[batch]` in the prompts, e.g
 groups present that must finish (`FINISH_FRACTION` in `meta_info`). A backend that looks at its rows between tokens
 (the static decoder) stops once that share of its groups, rounded up, have every row finished, and returns
 `UNFINISHED` `[batch]` bool: the rows it stopped before their stop token and their token budget, whose tokens so far
-are their response (the response mask ends there). A share rather than a count, so that each rank of a worker group
+are their response (the response mask ends there). Rows marked `MUST_FINISH` `[batch]` (bool, optional) are never
+cut: the call goes on until they are finished too. A share rather than a count, so that each rank of a worker group
 judges its own rows: their groups' shares add up to the caller's count. Backends that decode every row to its end
-(`generate`, vLLM) ignore both."""
+(`generate`, vLLM) ignore all three."""
 
 from __future__ import annotations
 
@@ -20,16 +21,19 @@ from ketch.protocol import DataProto
 
 GROUP_INDEX = "group_index"
 FINISH_FRACTION = "finish_fraction"
+MUST_FINISH = "must_finish"
 UNFINISHED = "unfinished"
 
 
 @dataclass
 class GroupStop:
-    """`groups` `[batch]`: each row's group; the call may stop once `needed` of its `count` groups are finished."""
+    """`groups` `[batch]`: each row's group; the call may stop once `needed` of its `count` groups are finished and
+    no row of `must_finish` `[batch]` is left."""
 
     groups: torch.Tensor
     needed: int
     count: int
+    must_finish: torch.Tensor
 
     @classmethod
     def of(cls, prompts: DataProto) -> GroupStop | None:
@@ -38,11 +42,14 @@ class GroupStop:
             return None
         groups = prompts.batch[GROUP_INDEX]
         count = len(groups.unique())
-        return cls(groups, math.ceil(prompts.meta_info[FINISH_FRACTION] * count - 1e-6), count)
+        needed = math.ceil(prompts.meta_info[FINISH_FRACTION] * count - 1e-6)
+        return cls(groups, needed, count, prompts.batch.get(MUST_FINISH, torch.zeros_like(groups, dtype=torch.bool)))
 
     def reached(self, unfinished_rows: torch.Tensor) -> bool:
-        """Whether enough groups are finished when every row but `unfinished_rows` `[k]` (row indices) is."""
+        """Whether the call may stop when every row but `unfinished_rows` `[k]` (row indices) is finished."""
+        if self.must_finish[unfinished_rows].any():
+            return False
         return self.count - len(self.groups[unfinished_rows].unique()) >= self.needed
 
     def to(self, device: torch.device) -> GroupStop:
-        return GroupStop(self.groups.to(device), self.needed, self.count)
+        return GroupStop(self.groups.to(device), self.needed, self.count, self.must_finish.to(device))

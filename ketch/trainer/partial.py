@@ -6,8 +6,9 @@ under way (their tokens and rollout log-probs so far) and finished ones. A step 
 again from their prompt), then generates in rounds: every unfinished trajectory in flight continues for
 `round_tokens` tokens, its prompt and response so far as the backend's prompt, until `data.train_batch_size`
 groups have every sample finished (the static decoder stops a round there, cutting the other rows where they are:
-`ketch.rollout.group_stop`). Those groups, oldest first, are the step's batch; the rest stays for the next
-step, whose weights are newer. A group is used only when all its samples are finished, so group estimators (GRPO)
+`ketch.rollout.group_stop`; a trajectory that the staleness bound would drop at the next step is never cut, and
+goes on past `round_tokens` to its end). Those groups, oldest first, are the step's batch; the rest stays for the
+next step, whose weights are newer. A group is used only when all its samples are finished, so group estimators (GRPO)
 see whole groups. The tokens a trajectory sampled in earlier steps keep the log-probs of the weights that sampled
 them (`rollout_log_probs`), which truncated importance sampling (`actor.rollout_is`) corrects against.
 
@@ -33,7 +34,7 @@ from ketch.config.partial import in_flight_prompts, round_tokens
 from ketch.config.schema import KetchConfig
 from ketch.protocol import DataProto
 from ketch.rollout.base import assemble_sequences
-from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, UNFINISHED
+from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, MUST_FINISH, UNFINISHED
 from ketch.rollout.multi_turn.trajectory import (
     CARRIED_COLUMNS,
     CARRIED_TENSORS,
@@ -138,7 +139,8 @@ class PartialRollouts:
         in_flight = torch.arange(len(rows)) < self.in_flight * self.n
         while (finished := int(self._finished_groups(rows).sum())) < self.batch_size:
             index = (in_flight & ~rows.batch["finished"]).nonzero().squeeze(-1)
-            part = self._continue(rows[index], step, generate, index // self.n, self.batch_size - finished)
+            groups = (index // self.n, self.batch_size - finished)
+            part = self._continue(rows[index], step, generate, *groups)
             rows = _replace_rows(rows, index, part)
             rounds += 1
         return rows, rounds
@@ -146,17 +148,22 @@ class PartialRollouts:
     def _continue(self, part: DataProto, step: int, generate: Generate, groups: torch.Tensor, needed: int) -> DataProto:
         """`part`'s trajectories, each continued for up to `round_tokens` tokens (fewer where it stops or reaches
         `data.max_response_length`, or where the backend stops once `needed` of the rows' `groups` `[rows]` are
-        finished): the backend's prompt is a row's prompt and response so far (`continuation`)."""
+        finished; to its end in its last step before the staleness bound): the backend's prompt is a row's prompt
+        and response so far (`continuation`)."""
         if self.multi_turn:
             return self._continue_turns(part, step, generate)
         b = part.batch
-        allowed = (self.max_length - b["response_length"]).clamp(max=self.round_tokens)
+        begun = torch.where(b["first_step"] > 0, b["first_step"], step)
+        last = step - begun >= self.max_staleness  # dropped if not finished in this step
+        rest = self.max_length - b["response_length"]
+        allowed = torch.where(last, rest, rest.clamp(max=self.round_tokens))
         inputs = continuation(
             b["input_ids"], b["attention_mask"], b["responses"], b["response_length"], self.pad_token_id
         )
         inputs.meta_info["max_new_tokens"] = int(allowed.max())
         inputs.batch[GROUP_INDEX] = groups
         inputs.meta_info[FINISH_FRACTION] = needed / len(groups.unique())
+        inputs.batch[MUST_FINISH] = last
         out = generate(inputs).batch
         # a backend's response_mask covers its tokens up to and including a stop token: at most `allowed` of them
         # is a stop; more (decoding past the budget, or padding read as a stop) is a cut, and so is a row the
@@ -171,7 +178,7 @@ class PartialRollouts:
             "rollout_log_probs": _append(b["rollout_log_probs"], out["rollout_log_probs"], b["response_length"], taken),
             "response_length": length,
             "finished": stopped | (length >= self.max_length),
-            "first_step": torch.where(b["first_step"] > 0, b["first_step"], step),
+            "first_step": begun,
         }
         return part
 
