@@ -106,6 +106,34 @@ def test_rows_left_unfinished_move_into_a_smaller_shape_and_keep_their_log_probs
     assert default.caches[(8, 128)].fronts == {}
 
 
+def test_a_group_stop_cuts_the_rows_still_going_where_they_are_after_a_compaction(tiny_model_dir):
+    """The 8 rows of the test above in 4 groups of 2 (ending at 35, 52, 42 and 64 tokens), half the groups needed:
+    the batch moves into 4 rows at the check after 32 tokens, and at the check after 48 two groups are finished, so
+    decoding stops there; the two rows still going (the 52 and 64 tokens) are cut at 48, their tokens and log-probs
+    so far those of the decoding without the stop."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout.group_stop import GroupStop
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
+
+    model = load_causal_lm(str(tiny_model_dir), torch.float32).eval()
+    input_ids = torch.randint(4, 60, (8, 6), generator=torch.Generator().manual_seed(0))
+    args = (input_ids, torch.ones_like(input_ids), 64, Sampling(do_sample=True), [5, 9, 17])
+    decoder = StaticDecoder(model, compile_step=False, buckets=True, compact_remaining=16)
+    torch.manual_seed(0)
+    whole = decoder.generate(*args, pad_token_id=0)
+    assert decoder.cut_at.tolist() == [64] * 8
+    decoder = StaticDecoder(model, compile_step=False, buckets=True, compact_remaining=16)
+    torch.manual_seed(0)
+    stop = GroupStop(torch.arange(8) // 2, needed=2, count=4, must_finish=torch.zeros(8, dtype=torch.bool))
+    tokens, log_probs = decoder.generate(*args, pad_token_id=0, group_stop=stop)
+    assert decoder.cut_at.tolist() == [64, 64, 64, 48, 64, 64, 48, 64]
+    assert sorted(decoder.caches[(8, 128)].fronts) == [4]
+    assert torch.equal(tokens[:, :48], whole[0][:, :48]) and torch.equal(log_probs[:, :48], whole[1][:, :48])
+    assert torch.equal(tokens[[0, 1, 2, 4, 5, 7]], whole[0][[0, 1, 2, 4, 5, 7]])
+    assert not tokens[[3, 6], 48:].any() and not log_probs[[3, 6], 48:].any()
+
+
 def test_a_partial_rollouts_rounds_decode_in_the_runs_one_shape_as_one_call_would(tiny_model_dir):
     """Partial rollouts continue a trajectory from its prompt and response so far: with `longest_prompt=60` (a
     cache of 64 prompt slots and 64 new tokens), 64 greedy tokens decoded in rounds of 24, 24 and 16 from prompts of
