@@ -3,10 +3,10 @@
 A tiny Qwen3-MoE (the built-in model's sizes, 8 experts of which 2 per token) is warmed up with the built-in
 warm-up's SFT, then trained with the built-in run's GRPO settings for `--steps` steps once per `--replay` mode
 (`actor.router_replay`: off, rollout = R3), from the same warmed-up model and seed, with the old log-probs'
-pass on (it measures the rollout/training gap). Prints and writes each run's
-greedy validation accuracy at every validation, the mean and max of `training/rollout_probs_diff_max`, and of
-`actor/router_mismatch` where replay measures it. `actor.mismatch_check=warn`: without replay the gap of a run in
-bf16 may pass the first step's guard's bound.
+pass on (it measures the rollout/training gap). Prints and writes each run's greedy validation accuracy at every
+validation, the mean, max and each step's value of `training/rollout_probs_diff_max`, and of
+`actor/router_mismatch` where replay measures it. `--set` adds overrides to every GRPO run.
+`actor.mismatch_check=warn`: without replay the gap of a run in bf16 may pass the first step's guard's bound.
 
     PYTHONPATH=. python3 benchmarks/moe_replay_learning.py --device cuda --steps 100 --out benchmarks/results/x.json
 """
@@ -59,12 +59,12 @@ def warm_up(init: Path, runs: Path, device: str) -> Path:
     return runs / "warmup" / "model"
 
 
-def train(model: Path, runs: Path, device: str, replay: str, steps: int) -> dict:
-    """GRPO from `model` with the built-in run's settings and `actor.router_replay=replay`."""
+def train(model: Path, runs: Path, device: str, replay: str, steps: int, extra: list[str]) -> dict:
+    """GRPO from `model` with the built-in run's settings, `actor.router_replay=replay` and the `extra` overrides."""
     run = [f"model.path={model}", f"trainer.default_local_dir={runs}", f"trainer.experiment_name=replay-{replay}"]
     run += [f"trainer.device={device}", "trainer.logger=[jsonl]", f"actor.router_replay={replay}"]
     run += [*BUILTIN_RUN_DEFAULTS, f"trainer.total_steps={steps}", "actor.mismatch_check=warn"]
-    run += ["actor.old_log_prob_from_rollout=false"]  # the old log-probs' pass measures the gap
+    run += ["actor.old_log_prob_from_rollout=false", *extra]  # the old log-probs' pass measures the gap
     trainer = PPOTrainer(load_config(overrides=run))
     start = time.perf_counter()
     trainer.fit()
@@ -74,7 +74,7 @@ def train(model: Path, runs: Path, device: str, replay: str, steps: int) -> dict
     for key in ("training/rollout_probs_diff_max", "actor/router_mismatch"):
         values = [r[key] for r in records if key in r]
         if values:
-            result[key] = {"mean": round(statistics.mean(values), 4), "max": round(max(values), 4)}
+            result[key] = {"mean": round(statistics.mean(values), 4), "max": round(max(values), 4), "each": values}
     return result
 
 
@@ -84,13 +84,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--replay", nargs="+", default=["off", "rollout"])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--set", nargs="*", default=[], help="overrides of every GRPO run, e.g. model.dtype=bfloat16")
     args = parser.parse_args()
     runs = Path(tempfile.mkdtemp(prefix="ketch-moe-replay-"))
     start = time.perf_counter()
     model = warm_up(tiny_moe(runs / "init"), runs, args.device)
     result = {"device": args.device, "steps": args.steps, "warmup_wall_s": round(time.perf_counter() - start, 1)}
     for replay in args.replay:
-        result[replay] = train(model, runs, args.device, replay, args.steps)
+        result[replay] = train(model, runs, args.device, replay, args.steps, args.set)
         print(json.dumps({replay: result[replay]}), flush=True)
     print(json.dumps(result, indent=2))
     if args.out:
