@@ -62,11 +62,11 @@ def describe_partial_rollouts(config: KetchConfig) -> str:
     tokens = (
         "sampled tokens (over its turns; a cut turn goes on at the next round)"
         if c.rollout.multi_turn.enable
-        else "tokens"
+        else f"tokens (the static decoder ends one once {c.data.train_batch_size} prompts are finished)"
     )
     return (
         f"on: {in_flight_prompts(c)} prompts in flight for {c.data.train_batch_size} a step (over_sample "
-        f"{p.over_sample:g}), rounds of {round_tokens(c)} {tokens} a trajectory, a trajectory spans at most "
+        f"{p.over_sample:g}), rounds of up to {round_tokens(c)} {tokens} a trajectory, a trajectory spans at most "
         f"{p.max_staleness + 1} steps (max_staleness {p.max_staleness}); its older tokens weighted by truncated "
         f"importance sampling (actor.rollout_is={a.rollout_is}, at most {a.rollout_is_threshold:g})"
     )
