@@ -21,6 +21,7 @@ from ketch.engine.distributed import free_port
 from ketch.models import load_tokenizer, save_tiny_model
 from ketch.protocol import DataProto
 from ketch.rollout import build_rollout
+from ketch.rollout.group_stop import FINISH_FRACTION, GROUP_INDEX, UNFINISHED
 from ketch.rollout.vllm_adapter import installed_version, supported_range
 from ketch.tracking import read_metrics
 from ketch.trainer.ppo import PPOTrainer
@@ -108,6 +109,32 @@ def test_vllm_decodes_a_lora_actors_merged_weights_like_the_hf_rollout(vllm_mode
     assert not torch.equal(untrained["responses"], expected["responses"])  # the adapters change what is decoded
     assert torch.equal(greedy["response_mask"], expected["response_mask"])
     assert torch.equal(greedy["responses"], expected["responses"])
+
+
+def test_a_group_stop_aborts_the_requests_still_running_once_enough_groups_are_finished(vllm_model_dir, task_files):
+    """8 sampled rows in 4 groups of 2, a quarter of the groups needed: the engine steps until one group has both
+    rows finished (each ends at a stop token), then aborts the others, which keep their tokens so far: all of them
+    as many as the group's last row took (the engine decodes its requests in lockstep). Runs before the shared engine
+    starts, and frees its own."""
+    overrides = [f"model.path={vllm_model_dir}", f"data.train_files=[{task_files['train']}]", "trainer.device=cpu"]
+    overrides += ["rollout.name=vllm", "data.max_response_length=64", "rollout.stop_token_ids=[21,22,23,24]"]
+    config = load_config(overrides=overrides)
+    rollout = build_rollout(config, str(vllm_model_dir), build_char_tokenizer(), torch.float32, CPU, 0)
+    batch = prompts(config)
+    batch.batch[GROUP_INDEX] = torch.arange(8) // 2
+    batch.meta_info[FINISH_FRACTION] = 0.25
+    out = rollout.generate(batch).batch
+    del rollout
+    gc.collect()
+    lengths, cut = out["response_mask"].sum(-1), out[UNFINISHED]
+    last = out["responses"].gather(1, (lengths - 1)[:, None]).squeeze(1)
+    stopped = torch.isin(last, torch.tensor([21, 22, 23, 24]))
+    assert torch.equal(stopped, ~cut) and 0 < cut.sum() < 8
+    finished_groups = (~cut).view(4, 2).all(-1)
+    assert finished_groups.sum() >= 1
+    # the aborted rows stopped at the step the first group's last row finished
+    assert (lengths[cut] == lengths.view(4, 2)[finished_groups].max(-1).values.min()).all()
+    assert (out["rollout_log_probs"][cut].ne(0).sum(-1) == lengths[cut]).all()
 
 
 @pytest.fixture(scope="module")

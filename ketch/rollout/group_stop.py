@@ -2,13 +2,14 @@
 `data.train_batch_size` prompts with every sample finished, not every row of the prompts in flight.
 
 The caller gives each row its group (`GROUP_INDEX` `[batch]` in the prompts, e.g. its prompt's) and the share of the
-groups present that must finish (`FINISH_FRACTION` in `meta_info`). A backend that looks at its rows between tokens
-(the static decoder) stops once that share of its groups, rounded up, have every row finished, and returns
-`UNFINISHED` `[batch]` bool: the rows it stopped before their stop token and their token budget, whose tokens so far
-are their response (the response mask ends there). Rows marked `MUST_FINISH` `[batch]` (bool, optional) are never
-cut: the call goes on until they are finished too. A share rather than a count, so that each rank of a worker group
-judges its own rows: their groups' shares add up to the caller's count. Backends that decode every row to its end
-(`generate`, vLLM) ignore all three."""
+groups present that must finish (`FINISH_FRACTION` in `meta_info`). A backend that looks at its rows between tokens (the
+static decoder, every 16 tokens; vLLM, every engine step) stops once that share of its groups, rounded up, have every
+row finished, and returns `UNFINISHED` `[batch]` bool: the rows it stopped before their stop token and their token
+budget, whose tokens so far are their response (the response mask ends there). vLLM runs its engine one step at a time
+and aborts the requests still running (`vllm_adapter.generate_until`). Rows marked `MUST_FINISH` `[batch]` (bool,
+optional) are never cut: the call goes on until they are finished too. A share rather than a count, so that each rank of
+a worker group judges its own rows: their groups' shares add up to the caller's count. The hf backend's `generate` path
+decodes every row to its end and ignores all three."""
 
 from __future__ import annotations
 

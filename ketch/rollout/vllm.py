@@ -19,6 +19,7 @@ from ketch.models import stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout import vllm_adapter as adapter
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
+from ketch.rollout.group_stop import UNFINISHED, GroupStop
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -62,22 +63,36 @@ class VLLMRollout(Rollout):
 
     @torch.no_grad()
     def generate(self, prompts: DataProto) -> DataProto:
+        """See `Rollout.generate`; with a group stop (`ketch.rollout.group_stop`) the engine runs one step at a time
+        and the requests still running are aborted once enough groups are finished."""
         do_sample, temperature = call_sampling(prompts, self.config)
         ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
         requests = adapter.token_prompts([row[keep].tolist() for row, keep in zip(ids, mask, strict=True)])
-        sampling = self._sampling(do_sample, temperature, *call_limits(prompts, self.max_response_length))
-        outputs = self.engine.generate(requests, sampling, use_tqdm=False)
-        samples = [out.outputs[0] for out in outputs]
-        responses = self._pad([s.token_ids for s in samples], self.pad_token_id, torch.long)
-        log_probs = self._pad([[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)] for s in samples])
+        settings = self._sampling(do_sample, temperature, *call_limits(prompts, self.max_response_length))
+        group_stop = GroupStop.of(prompts)
+        if group_stop is None:
+            outputs = self.engine.generate(requests, adapter.sampling_params(**settings), use_tqdm=False)
+            samples, aborted = [out.outputs[0] for out in outputs], [False] * len(outputs)
+        else:
+            samples, aborted = adapter.generate_until(self.engine, requests, settings, _stop_rule(group_stop))
+        tokens = [[] if s is None else s.token_ids for s in samples]
+        responses = self._pad(tokens, self.pad_token_id, torch.long)
+        log_probs = self._pad(
+            [[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)] if s else [] for s in samples]
+        )
+        cut = torch.tensor(aborted)
+        cut_at = torch.where(cut, torch.tensor([len(t) for t in tokens]), self.max_response_length)
         stops = None if self.config.ignore_eos else self.stop_token_ids
-        return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id)
+        out = rollout_output(prompts, responses, log_probs, stops, self.pad_token_id, cut_at)
+        if group_stop is not None:
+            out.batch[UNFINISHED] = cut
+        return out
 
-    def _sampling(self, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
+    def _sampling(self, do_sample: bool, temperature: float, max_new: int, stop: list[str]) -> dict:
         """vLLM's sampling settings; stop strings need its detokenizer (kept in the output, as sampled)."""
         r = self.config
         stop_settings = {"stop": stop, "include_stop_str_in_output": True} if stop else {}
-        return adapter.sampling_params(
+        return dict(
             n=1,
             temperature=temperature if do_sample else 0.0,
             top_p=r.top_p if do_sample else 1.0,
@@ -112,3 +127,10 @@ class VLLMRollout(Rollout):
         if self.asleep:
             self.engine.wake_up()
             self.asleep = False
+
+
+def _stop_rule(group_stop: GroupStop):
+    """`finished` (a bool per request) -> whether `group_stop` lets the call stop now."""
+    return lambda finished: group_stop.reached(
+        torch.tensor([i for i, done in enumerate(finished) if not done], dtype=torch.long)
+    )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -95,6 +96,31 @@ def token_prompts(prompts: list[list[int]]) -> list[Any]:
     from vllm.inputs import TokensPrompt
 
     return [TokensPrompt(prompt_token_ids=ids) for ids in prompts]
+
+
+def generate_until(engine, requests: list[Any], settings: dict[str, Any], stop: Callable[[list[bool]], bool]) -> tuple:
+    """`engine.generate(requests, SamplingParams(**settings))` one engine step at a time, aborting the requests still
+    running once `stop(finished)` (a bool per request) holds after a step. Returns each request's completion so far
+    (its `token_ids` and `logprobs`; None where it never began) and whether it was aborted."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = sampling_params(**settings, output_kind=RequestOutputKind.CUMULATIVE)
+    ids = [f"ketch-{next(_REQUESTS)}" for _ in requests]
+    for request_id, request in zip(ids, requests, strict=True):
+        engine.llm_engine.add_request(request_id, request, params)
+    latest: dict[str, Any] = {}
+    while engine.llm_engine.has_unfinished_requests():
+        latest |= {out.request_id: out for out in engine.llm_engine.step()}
+        finished = [i in latest and latest[i].finished for i in ids]
+        if not all(finished) and stop(finished):
+            engine.llm_engine.abort_request([i for i, done in zip(ids, finished, strict=True) if not done])
+            break
+    aborted = [not (i in latest and latest[i].finished) for i in ids]
+    return [latest[i].outputs[0] if i in latest else None for i in ids], aborted
+
+
+_REQUESTS = itertools.count()
+"""Request ids of `generate_until`, unique in the process."""
 
 
 def reload_weights(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
