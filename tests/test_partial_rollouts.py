@@ -180,9 +180,9 @@ def test_the_doctor_line_says_what_partial_rollouts_bound():
         ]
     )
     assert describe_partial_rollouts(on) == (
-        "on: 6 prompts in flight for 4 a step (over_sample 1.5), rounds of up to 500 tokens (the static decoder and "
-        "vLLM end one once 4 prompts are finished) a trajectory, a trajectory spans at most 2 steps (max_staleness "
-        "1); its older tokens weighted by truncated importance sampling (actor.rollout_is=token, at most 2)"
+        "on: 6 prompts in flight for 4 a step (over_sample 1.5), rounds of up to 500 tokens (ended once 4 prompts are "
+        "finished) a trajectory, a trajectory spans at most 2 steps (max_staleness 1); its older tokens weighted by "
+        "truncated importance sampling (actor.rollout_is=token, at most 2)"
     )
 
 
@@ -303,14 +303,15 @@ def test_a_trajectory_in_its_last_step_must_finish_and_may_pass_the_rounds_token
 
 @pytest.mark.parametrize(
     ("decoding", "left_lengths", "left_finished"),
-    [("generate", [3, 13, 58, 18], [True] * 4), ("static", [16, 6, 16, 11], [False, True, False, True])],
+    [("generate", [3, 13, 19, 18], [True, True, False, True]), ("static", [16, 6, 16, 11], [False, True, False, True])],
 )
-def test_a_round_of_the_whole_length_ends_once_the_batch_is_finished_on_the_static_decoder(
+def test_a_round_of_the_whole_length_ends_once_the_batch_is_finished(
     tiny_config, decoding, left_lengths, left_finished
 ):
-    # one round of the whole response length for 6 groups of 2: generate decodes every row to its end (up to 58
-    # tokens), the static decoder stops at its first check (16 tokens) with 4 groups finished and carries the 2 rows
-    # cut there to the next step (max_staleness=1 keeps them); the 2 groups not begun (over-sampled prompts) stay too
+    # one round of the whole response length for 6 groups of 2 (without the stop, generate decodes a row to 58
+    # tokens): generate looks after every token and stops at the 19th, when the 4th group finishes; the static decoder
+    # looks every 16 tokens and stops at its first check. The rows cut there go to the next step (max_staleness=1
+    # keeps them), with the finished groups beyond the batch and the 2 groups not begun (over-sampled prompts)
     config = tiny_config(
         *PARTIAL, GRPO, "rollout.stop_token_ids=[21,22,23,24]", "data.max_response_length=64",
         "rollout.partial.round_tokens=64", f"rollout.hf_decoding={decoding}", "trainer.total_steps=1",

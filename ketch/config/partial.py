@@ -62,7 +62,7 @@ def describe_partial_rollouts(config: KetchConfig) -> str:
     tokens = (
         "sampled tokens (over its turns; a cut turn goes on at the next round)"
         if c.rollout.multi_turn.enable
-        else f"tokens (the static decoder and vLLM end one once {c.data.train_batch_size} prompts are finished)"
+        else f"tokens (ended once {c.data.train_batch_size} prompts are finished)"
     )
     return (
         f"on: {in_flight_prompts(c)} prompts in flight for {c.data.train_batch_size} a step (over_sample "

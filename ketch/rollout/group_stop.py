@@ -8,8 +8,8 @@ row finished, and returns `UNFINISHED` `[batch]` bool: the rows it stopped befor
 budget, whose tokens so far are their response (the response mask ends there). vLLM runs its engine one step at a time
 and aborts the requests still running (`vllm_adapter.generate_until`). Rows marked `MUST_FINISH` `[batch]` (bool,
 optional) are never cut: the call goes on until they are finished too. A share rather than a count, so that each rank of
-a worker group judges its own rows: their groups' shares add up to the caller's count. The hf backend's `generate` path
-decodes every row to its end and ignores all three."""
+a worker group judges its own rows: their groups' shares add up to the caller's count. The hf backend's `generate`
+path looks after every token (`GroupStopCriteria`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from transformers import StoppingCriteria
 
 from ketch.protocol import DataProto
 
@@ -54,3 +55,22 @@ class GroupStop:
 
     def to(self, device: torch.device) -> GroupStop:
         return GroupStop(self.groups.to(device), self.needed, self.count, self.must_finish.to(device))
+
+
+class GroupStopCriteria(StoppingCriteria):
+    """`group_stop` for transformers' `generate` on prompts of `prompt_len` tokens: a row counts as finished once it
+    has sampled one of `stop_token_ids`; when enough are, every row stops. `cut_at` `[batch]`: each row's tokens where
+    the stop cut it, `length` (the call's response length) for the rows it did not."""
+
+    def __init__(self, group_stop: GroupStop, prompt_len: int, stop_token_ids: list[int], length: int):
+        self.group_stop, self.prompt_len = group_stop, prompt_len
+        self.stops = torch.tensor(stop_token_ids, device=group_stop.groups.device)
+        self.cut_at = torch.full_like(group_stop.groups, length)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len :]
+        unfinished = (~torch.isin(generated, self.stops).any(-1)).nonzero().squeeze(1)
+        stop = len(unfinished) > 0 and self.group_stop.reached(unfinished)
+        if stop:
+            self.cut_at[unfinished] = generated.shape[1]
+        return torch.full((len(input_ids),), stop, dtype=torch.bool, device=input_ids.device)

@@ -9,7 +9,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteriaList
 
 from ketch.architecture import decoder_blocks, is_vision_model, static_decoding_problem
 from ketch.config.schema import KetchConfig
@@ -22,7 +22,7 @@ from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.exact_decoding import ExactDecoder
 from ketch.rollout.fp8 import FP8Projections
-from ketch.rollout.group_stop import UNFINISHED, GroupStop
+from ketch.rollout.group_stop import UNFINISHED, GroupStop, GroupStopCriteria
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
@@ -150,6 +150,13 @@ class HFRollout(Rollout):
     def _decode_generate(self, prompts: DataProto, do_sample: bool, temperature: float, max_new: int, stop: list[str]):
         prompt_ids, forwards = prompts.batch["input_ids"], []
         images = prompts.non_tensor_batch.get("multi_modal_inputs", ())
+        group_stop = GroupStop.of(prompts)
+        criteria = None
+        if group_stop is not None and not self.config.ignore_eos:
+            group_stop = group_stop.to(prompt_ids.device)
+            criteria = GroupStopCriteria(
+                group_stop, prompt_ids.shape[-1], self.stop_token_ids, self.max_response_length
+            )
         hook = None
         if self.routing is not None:
             hook = self.model.register_forward_hook(lambda *_: forwards.append(self.routing.chosen()))
@@ -159,14 +166,15 @@ class HFRollout(Rollout):
                 attention_mask=prompts.batch["attention_mask"],
                 generation_config=self._generation_config(do_sample, temperature, max_new, stop),
                 tokenizer=self.tokenizer if stop else None,
+                stopping_criteria=StoppingCriteriaList([criteria] if criteria else []),
                 **image_model_inputs(self.model.config, prompt_ids, images),
             )
         finally:
             if hook is not None:
                 hook.remove()
         responses = self._pad(out.sequences[:, prompt_ids.shape[-1] :])
-        uncut = torch.full((len(responses),), self.max_response_length, device=responses.device)
-        decoded = responses, self._log_probs(out.logits, responses, temperature), uncut
+        cut_at = criteria.cut_at if criteria else torch.full((len(responses),), self.max_response_length)
+        decoded = responses, self._log_probs(out.logits, responses, temperature), cut_at.to(responses.device)
         return decoded if self.routing is None else (*decoded, self._generated_experts(forwards, prompt_ids.shape))
 
     def _generated_experts(self, forwards: list, shape: torch.Size) -> torch.Tensor:

@@ -5,7 +5,7 @@ under way (their tokens and rollout log-probs so far) and finished ones. A step 
 `in_flight_prompts` groups in flight, drops the trajectories begun more than `max_staleness` steps ago (they begin
 again from their prompt), then generates in rounds: every unfinished trajectory in flight continues for
 `round_tokens` tokens, its prompt and response so far as the backend's prompt, until `data.train_batch_size`
-groups have every sample finished (the static decoder stops a round there, cutting the other rows where they are:
+groups have every sample finished (the rollout stops a round there, cutting the other rows where they are:
 `ketch.rollout.group_stop`; a trajectory that the staleness bound would drop at the next step is never cut, and
 goes on past `round_tokens` to its end). Those groups, oldest first, are the step's batch; the rest stays for the
 next step, whose weights are newer. A group is used only when all its samples are finished, so group estimators (GRPO)
