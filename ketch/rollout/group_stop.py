@@ -66,11 +66,13 @@ class GroupStopCriteria(StoppingCriteria):
         self.group_stop, self.prompt_len = group_stop, prompt_len
         self.stops = torch.tensor(stop_token_ids, device=group_stop.groups.device)
         self.cut_at = torch.full_like(group_stop.groups, length)
+        self.finished = torch.zeros_like(group_stop.groups, dtype=torch.bool)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_len :]
-        unfinished = (~torch.isin(generated, self.stops).any(-1)).nonzero().squeeze(1)
+        """Called after each new token (the last of `input_ids` `[batch, seq]`)."""
+        self.finished |= torch.isin(input_ids[:, -1], self.stops)
+        unfinished = (~self.finished).nonzero().squeeze(1)
         stop = len(unfinished) > 0 and self.group_stop.reached(unfinished)
         if stop:
-            self.cut_at[unfinished] = generated.shape[1]
+            self.cut_at[unfinished] = input_ids.shape[1] - self.prompt_len
         return torch.full((len(input_ids),), stop, dtype=torch.bool, device=input_ids.device)
