@@ -10,6 +10,7 @@ import torch
 
 from ketch.config.schema import KetchConfig, RolloutConfig
 from ketch.protocol import DataProto
+from ketch.rollout.group_stop import UNFINISHED, asks_group_stop
 
 _BACKENDS: dict[str, type[Rollout] | str] = {"vllm": "ketch.rollout.vllm:VLLMRollout"}
 """Backends by `rollout.name`; a string is imported on first use (vLLM is optional)."""
@@ -161,7 +162,8 @@ def rollout_output(
 ) -> DataProto:
     """A backend's sampled `responses` and their `log_probs` `[batch, response_len]` as the `Rollout` fields:
     tokens after each row's first stop token become padding; `stop_token_ids=None` (`rollout.ignore_eos`)
-    keeps every token; `cut_at` `[batch]`: a row's tokens end there at the latest (a backend stopped it early)."""
+    keeps every token; `cut_at` `[batch]`: a row's tokens end there at the latest (a backend stopped it early), and
+    where the prompts ask for a group stop, `unfinished` `[batch]` marks the rows cut before `response_len`."""
     if stop_token_ids is None:
         response_mask = torch.ones_like(responses)
     else:
@@ -170,6 +172,8 @@ def rollout_output(
         response_mask = response_mask * (torch.arange(responses.shape[1], device=responses.device) < cut_at[:, None])
     result = assemble_sequences(prompts, responses.masked_fill(response_mask == 0, pad_token_id), response_mask)
     result.batch["rollout_log_probs"] = log_probs * response_mask
+    if cut_at is not None and asks_group_stop(prompts):
+        result.batch[UNFINISHED] = cut_at < responses.shape[1]
     return result
 
 

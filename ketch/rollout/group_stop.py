@@ -27,6 +27,11 @@ MUST_FINISH = "must_finish"
 UNFINISHED = "unfinished"
 
 
+def asks_group_stop(prompts: DataProto) -> bool:
+    """Whether `prompts` ask for a group stop: then the result marks the rows the call cut (`UNFINISHED`)."""
+    return GROUP_INDEX in prompts.batch and FINISH_FRACTION in prompts.meta_info
+
+
 @dataclass
 class GroupStop:
     """`groups` `[batch]`: each row's group; the call may stop once `needed` of its `count` groups are finished and
@@ -40,7 +45,7 @@ class GroupStop:
     @classmethod
     def of(cls, prompts: DataProto) -> GroupStop | None:
         """The stop `prompts` ask for (see the module docstring), or None."""
-        if GROUP_INDEX not in prompts.batch or FINISH_FRACTION not in prompts.meta_info:
+        if not asks_group_stop(prompts):
             return None
         groups = prompts.batch[GROUP_INDEX]
         count = len(groups.unique())

@@ -22,7 +22,7 @@ from ketch.protocol import DataProto
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
 from ketch.rollout.exact_decoding import ExactDecoder
 from ketch.rollout.fp8 import FP8Projections
-from ketch.rollout.group_stop import UNFINISHED, GroupStop, GroupStopCriteria
+from ketch.rollout.group_stop import GroupStop, GroupStopCriteria
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 from ketch.rollout.tensor_parallel import TensorParallel, same_random_numbers
@@ -91,8 +91,6 @@ class HFRollout(Rollout):
         prompts = prompts.to(decoded[0].device)
         responses, log_probs, cut_at = decoded[:3]
         out = rollout_output(prompts, responses, log_probs, stops, self.pad_token_id, cut_at)
-        if GroupStop.of(prompts) is not None:
-            out.batch[UNFINISHED] = cut_at < self.max_response_length
         if (positions := _rope_positions(prompts)) is not None:
             out.batch["position_ids"] = continued_positions(positions, out.batch["attention_mask"])
         if self.routing is not None:

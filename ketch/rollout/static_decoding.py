@@ -138,7 +138,6 @@ class StaticDecoder:
         self.weights: list[int] = []
         self.routing: ExpertRouting | None = None
         """Set (attached) to record each token's experts: `generate` then leaves them in `routed_experts`."""
-        self.group_stop: GroupStop | None = None
         self.cut_at = torch.zeros(0, dtype=torch.long)
         """The last `generate`'s tokens of each row where its `group_stop` cut it (see `generate`)."""
         self.routed_experts: torch.Tensor | None = None
@@ -327,9 +326,11 @@ class StaticDecoder:
         rows, prompt_len = input_ids.shape
         args = (max_new_tokens, sampling, stop_token_ids, pad_token_id, stop_after)
         self.cut_at = torch.full((rows,), max_new_tokens, dtype=torch.long, device=input_ids.device)
-        self.group_stop = None if group_stop is None else group_stop.to(input_ids.device)
+        group_stop = None if group_stop is None else group_stop.to(input_ids.device)
         if not self.buckets:
-            return self._generate(input_ids, attention_mask, *args, images=images, positions=positions)
+            return self._generate(
+                input_ids, attention_mask, *args, images=images, positions=positions, group_stop=group_stop
+            )
         extra_rows = max(self.min_rows, 1 << (rows - 1).bit_length()) - rows
         extra_len = -prompt_len % PROMPT_BUCKET
         room = self.longest_prompt + max_new_tokens - min(max_new_tokens, stop_after or max_new_tokens) - prompt_len
@@ -340,7 +341,7 @@ class StaticDecoder:
         attention_mask[rows:, -1] = 1  # padding rows decode from one token, never seen by the real rows
         images = None if images is None else [*images, *[{}] * extra_rows]
         positions = None if positions is None else nn.functional.pad(positions, (extra_len, 0, 0, 0, 0, extra_rows))
-        more = {"active_rows": rows, "images": images, "positions": positions}
+        more = {"active_rows": rows, "images": images, "positions": positions, "group_stop": group_stop}
         tokens, log_probs = self._generate(input_ids, attention_mask, *args, **more)
         if self.routing is not None:
             self.routed_experts = self.routed_experts[:rows, extra_len:]
@@ -358,6 +359,7 @@ class StaticDecoder:
         active_rows: int | None = None,
         images: list[dict] | None = None,
         positions: torch.Tensor | None = None,
+        group_stop: GroupStop | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`generate` on a batch as it is; rows from `active_rows` on count as finished from the start."""
         batch, prompt_len = input_ids.shape
@@ -382,7 +384,7 @@ class StaticDecoder:
                 unfinished = (~b.done).nonzero().squeeze(1)
                 if len(unfinished) == 0:
                     break
-                if self.group_stop is not None and self.group_stop.reached(rows[unfinished]):
+                if group_stop is not None and group_stop.reached(rows[unfinished]):
                     self.cut_at[rows[unfinished]] = t
                     break
                 slots = prompt_len + t - 1 + CHECK_EVERY  # the next check comes before any row writes slot `slots`

@@ -19,7 +19,7 @@ from ketch.models import stop_token_ids
 from ketch.protocol import DataProto
 from ketch.rollout import vllm_adapter as adapter
 from ketch.rollout.base import Rollout, call_limits, call_sampling, register_rollout, rollout_output
-from ketch.rollout.group_stop import UNFINISHED, GroupStop
+from ketch.rollout.group_stop import GroupStop
 
 logger = logging.getLogger("ketch.rollout")
 
@@ -80,13 +80,9 @@ class VLLMRollout(Rollout):
         log_probs = self._pad(
             [[lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)] if s else [] for s in samples]
         )
-        cut = torch.tensor(aborted)
-        cut_at = torch.where(cut, torch.tensor([len(t) for t in tokens]), self.max_response_length)
+        cut_at = torch.where(torch.tensor(aborted), torch.tensor([len(t) for t in tokens]), self.max_response_length)
         stops = None if self.config.ignore_eos else self.stop_token_ids
-        out = rollout_output(prompts, responses, log_probs, stops, self.pad_token_id, cut_at)
-        if group_stop is not None:
-            out.batch[UNFINISHED] = cut
-        return out
+        return rollout_output(prompts, responses, log_probs, stops, self.pad_token_id, cut_at)
 
     def _sampling(self, do_sample: bool, temperature: float, max_new: int, stop: list[str]) -> dict:
         """vLLM's sampling settings; stop strings need its detokenizer (kept in the output, as sampled)."""

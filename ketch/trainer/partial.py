@@ -139,8 +139,7 @@ class PartialRollouts:
         in_flight = torch.arange(len(rows)) < self.in_flight * self.n
         while (finished := int(self._finished_groups(rows).sum())) < self.batch_size:
             index = (in_flight & ~rows.batch["finished"]).nonzero().squeeze(-1)
-            groups = (index // self.n, self.batch_size - finished)
-            part = self._continue(rows[index], step, generate, *groups)
+            part = self._continue(rows[index], step, generate, index // self.n, self.batch_size - finished)
             rows = _replace_rows(rows, index, part)
             rounds += 1
         return rows, rounds
