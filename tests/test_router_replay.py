@@ -82,9 +82,13 @@ def test_replay_routes_to_the_recorded_experts_and_trains_the_router(model_type,
     replayed = policy(**batch, response_len=RESPONSE, given_experts=rollout_experts, replay=True)
     mask = batch["attention_mask"][:, -RESPONSE:].bool()
     real = batch["attention_mask"].flatten().bool()
-    for layer, indices in enumerate(seen):  # every real token goes to exactly the rollout's experts
+    fed = batch["attention_mask"].clone()
+    fed[[0, 1], [9, 7]] = 0  # each row's last real token routes by its own choice
+    fed = fed.flatten().bool()[real] if packed else fed.flatten().bool()
+    for layer, indices in enumerate(seen):  # every other real token goes to exactly the rollout's experts
         given = rollout_experts[..., layer, :].flatten(0, 1)
-        assert torch.equal(indices.long(), (given[real] if packed else given).long())
+        given = given[real] if packed else given
+        assert torch.equal(indices[fed].long(), given[fed].long())
     assert plain["router_mismatch"].sum() > 0  # the perturbed rollout routed some tokens otherwise
     assert replayed["router_mismatch"].sum() == plain["router_mismatch"].sum()  # the router's own choice, compared
     gap = {
@@ -107,6 +111,24 @@ def test_replaying_other_experts_changes_the_output(model_type):
         other = policy(**batch, response_len=RESPONSE, given_experts=(own + 1) % policy.routing.experts, replay=True)
     torch.testing.assert_close(same, expected, atol=1e-6, rtol=0)  # the same set of experts, in another order
     assert (other["log_prob"] - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_rows_last_token_routes_by_its_own_choice(model_type, packed):
+    """The rollout never feeds a row's last token to the model and leaves zeros for its experts: replayed, that
+    token routes by the router's own choice, so that the load-balancing loss is the one of the forward that
+    routes every token by its own choice."""
+    model, batch = _model(model_type), _batch()
+    _, own = _recorded(model, batch)
+    given = own.clone()
+    given[[0, 1], [9, 7]] = 0  # each row's last real token
+    assert differing(given, own).sum() == 2
+    policy = PolicyModel(model, packed=packed, route_experts=True)
+    plain = policy(**batch, response_len=RESPONSE)
+    replayed = policy(**batch, response_len=RESPONSE, given_experts=given, replay=True)
+    assert torch.equal(replayed["router_aux_loss"], plain["router_aux_loss"])
+    assert torch.equal(replayed["log_prob"], plain["log_prob"])
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])

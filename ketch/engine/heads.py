@@ -27,7 +27,7 @@ from ketch.engine.packing import Packing, backbone_hidden, packs, to_device, use
 from ketch.engine.sequence_parallel import sharded_states
 from ketch.engine.vision_forward import vision_hidden
 from ketch.models.batch_invariant import label_log_probs, make_batch_invariant
-from ketch.models.router_replay import ExpertRouting, differing
+from ketch.models.router_replay import ExpertRouting, differing, unrecorded_last
 
 
 class _Deterministic(nn.Module):
@@ -128,11 +128,12 @@ class PolicyModel(_Deterministic):
 
     def _route(self, given: torch.Tensor | None, host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
         """With `route_experts`: route the next forward by `given` `[batch, seq, moe_layers, top_k]` (None: by its
-        own choice); returns where the forward's tokens sit in `[batch * seq]` (`[tokens]`)."""
+        own choice; each row's last real token always by its own); returns where the forward's tokens sit in
+        `[batch * seq]` (`[tokens]`)."""
         if self.routing is None:
             return None
         tokens = Packing.from_mask(host, device).index if self.packed else torch.arange(host.numel(), device=device)
-        self.routing.replay(None if given is None else given.flatten(0, 1)[tokens])
+        self.routing.replay(None if given is None else unrecorded_last(given, host).flatten(0, 1)[tokens])
         return tokens
 
     def _routing_outputs(self, tokens, given, host, response_len: int, return_experts: bool) -> dict:

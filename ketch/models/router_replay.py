@@ -10,7 +10,9 @@ family then weights and renormalises them as it always does, so the gate values 
 probabilities of the replayed experts and the router's weights get their gradients through them.
 
 The choices travel as `routed_experts` `[batch, seq, moe_layers, top_k]` in a small integer type
-(`compact_dtype`), aligned with `input_ids`.
+(`compact_dtype`), aligned with `input_ids`. A rollout never feeds a row's last token to the model, so it records
+no experts there: replayed, that token routes by its own choice (`unrecorded_last`); its experts decide no
+log-prob (nothing attends to it), only its share of the load-balancing loss.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def compact_dtype(experts: int) -> torch.dtype:
 
 class _Choice(TorchFunctionMode):
     """Within one MoE layer's forward: sees its `topk` of `top_k` over `[tokens, experts]` scores, keeps the indices
-    `[tokens, top_k]` in `chosen` and, with `given` `[tokens, top_k]`, returns those (and the scores at them)."""
+    `[tokens, top_k]` in `chosen` and, with `given` `[tokens, top_k]`, returns those (and the scores at them); a
+    token whose given experts are -1 keeps its own."""
 
     def __init__(self, experts: int, top_k: int, given: torch.Tensor | None):
         super().__init__()
@@ -51,6 +54,7 @@ class _Choice(TorchFunctionMode):
         if self.given.shape != out.indices.shape:
             raise ValueError(f"routing replay: experts {tuple(self.given.shape)} given for {tuple(scores.shape)}")
         index = self.given.to(scores.device, torch.long)
+        index = torch.where(index < 0, out.indices, index)
         return torch.return_types.topk((scores.gather(-1, index), index))
 
     def _picks(self, scores: torch.Tensor, k: int, dim: int = -1, *_, **__) -> bool:
@@ -127,6 +131,16 @@ class ExpertRouting:
         """The experts of the last forward: its own choice, not the replayed one, `[tokens, layers, top_k]` in
         `compact_dtype`."""
         return torch.stack(self._chosen, dim=1).to(compact_dtype(self.experts))
+
+
+def unrecorded_last(given: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """`given` `[batch, seq, layers, top_k]` with -1 (route by the token's own choice) at each row's last real
+    token, which a rollout does not feed to the model; in int16 (`compact_dtype`'s types and -1)."""
+    mask = attention_mask.to(given.device).bool()
+    last = mask.shape[-1] - 1 - mask.flip(-1).int().argmax(-1)
+    marked = given.to(torch.int16)
+    marked[torch.arange(len(last), device=given.device), last] = -1
+    return marked
 
 
 def differing(own: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
