@@ -93,6 +93,7 @@ def main() -> None:
     start = time.perf_counter()
     config = load_config(args.config_path, [f"trainer.default_local_dir={runs}", *args.overrides])
     _, warmup_wall, warmup_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
+    print(f"warm-up (or the cached model): {warmup_wall:.1f} s wall, {warmup_cpu:.1f} s CPU", flush=True)
     records, rl_timing = timed_fit(config, "rl")
     result = {
         "config_path": args.config_path,
