@@ -133,7 +133,10 @@ class PolicyModel(_Deterministic):
         if self.routing is None:
             return None
         tokens = Packing.from_mask(host, device).index if self.packed else torch.arange(host.numel(), device=device)
-        self.routing.replay(None if given is None else unrecorded_last(given, host).flatten(0, 1)[tokens])
+        if given is not None:
+            given = given.flatten(0, 1)[tokens].to(torch.int16)  # -1: the token routes by its own choice
+            given[unrecorded_last(host).flatten().to(device)[tokens]] = -1
+        self.routing.replay(given)
         return tokens
 
     def _routing_outputs(self, tokens, given, host, response_len: int, return_experts: bool) -> dict:

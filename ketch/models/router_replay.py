@@ -11,8 +11,8 @@ probabilities of the replayed experts and the router's weights get their gradien
 
 The choices travel as `routed_experts` `[batch, seq, moe_layers, top_k]` in a small integer type
 (`compact_dtype`), aligned with `input_ids`. A rollout never feeds a row's last token to the model, so it records
-no experts there: replayed, that token routes by its own choice (`unrecorded_last`); its experts decide no
-log-prob (nothing attends to it), only its share of the load-balancing loss.
+no experts there: replayed, that token routes by its own choice (`unrecorded_last`; given as -1); its experts
+decide no log-prob (nothing attends to it), only its share of the load-balancing loss.
 """
 
 from __future__ import annotations
@@ -133,13 +133,13 @@ class ExpertRouting:
         return torch.stack(self._chosen, dim=1).to(compact_dtype(self.experts))
 
 
-def unrecorded_last(given: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """`given` `[batch, seq, layers, top_k]` with -1 (route by the token's own choice) at each row's last real
-    token, which a rollout does not feed to the model; in int16 (`compact_dtype`'s types and -1)."""
-    mask = attention_mask.to(given.device).bool()
+def unrecorded_last(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's last real token, which a rollout does not feed to the model (it records no experts there):
+    bool `[batch, seq]`."""
+    mask = attention_mask.bool()
     last = mask.shape[-1] - 1 - mask.flip(-1).int().argmax(-1)
-    marked = given.to(torch.int16)
-    marked[torch.arange(len(last), device=given.device), last] = -1
+    marked = torch.zeros_like(mask)
+    marked[torch.arange(len(last), device=mask.device), last] = True
     return marked
 
 
