@@ -35,11 +35,12 @@ def test_linear_backward_gives_the_plain_gradients():
     """The blocked forward's backward is the plain matmul's: the gradients of `x @ weight.T + bias` (in float64
     the two agree to rounding; 37 rows are 3 blocks, the last one padded)."""
     torch.manual_seed(0)
-    x, weight, bias = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((37, 8), (5, 8), (5,)))
+    shapes = ((37, 8), (5, 8), (5,))
+    x, weight, bias = (torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in shapes)
     upstream = torch.randn(37, 5, dtype=torch.float64)
     blocked = torch.autograd.grad((linear(x, weight, bias) * upstream).sum(), (x, weight, bias))
     plain = torch.autograd.grad(((x @ weight.T + bias) * upstream).sum(), (x, weight, bias))
-    for got, expected in zip(blocked, plain):
+    for got, expected in zip(blocked, plain, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     assert blocked[1].shape == (5, 8)
 
