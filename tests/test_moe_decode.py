@@ -5,6 +5,8 @@ replay still records every layer's choice."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from families import tiny_family_config
@@ -65,6 +67,15 @@ def test_gathered_and_dense_experts_give_transformers_experts_output(model_type)
         for compute in (gathered, dense):
             torch.testing.assert_close(compute(experts[0], hidden, index, weights), expected, atol=1e-5, rtol=1e-5)
         assert expected.abs().max() > 0.1
+
+
+def test_fixed_shape_classes_pickle_by_name():
+    """The compiler cache saves a compiled decode block by its classes' names: each fixed-shape experts class is a
+    name of `moe_decode` and comes back from pickle as itself (a class made by `type` alone did not: the 30B-A3B
+    shape's block compiled afresh at every start on an H100)."""
+    assert len(moe_decode.EXPERTS) == 6
+    for cls in moe_decode.EXPERTS.values():
+        assert getattr(moe_decode, cls.__name__) is cls and pickle.loads(pickle.dumps(cls)) is cls
 
 
 def test_other_mixtures_of_experts_keep_their_step_out_of_cuda_graphs():

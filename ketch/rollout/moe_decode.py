@@ -127,13 +127,14 @@ CHECKED = {
 def _fixed_shape_classes() -> dict[type, type]:
     """Each checked experts class that the installed transformers has, in the layout read here (its experts in
     3-D weights, `use_experts_implementation`: transformers 5), with its class that mixes `FixedShapeExperts` in.
-    An older transformers keeps its own experts, and the decoder its step out of CUDA graphs."""
+    An older transformers keeps its own experts, and the decoder its step out of CUDA graphs. Each class is also a
+    name of this module, where pickle finds it (the compiler cache saves a compiled block by its classes' names)."""
     found = {}
     for model_type, name in CHECKED.items():
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
         family = getattr(module, name, None)
         if family is not None and hasattr(family, "_apply_gate"):
-            found[family] = type(f"FixedShape{name}", (FixedShapeExperts, family), {})
+            found[family] = globals()[f"FixedShape{name}"] = type(f"FixedShape{name}", (FixedShapeExperts, family), {})
     return found
 
 
