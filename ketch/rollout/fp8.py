@@ -6,7 +6,8 @@ A decode step at the long tail of a batch reads every weight for a few rows, so 
 router stay as they are) an FP8 copy with one float32 scale per output channel, made again from the bf16 weights
 at each hand-off: the bf16 weights stay, untouched, for `weight_norm` and the next copy. On CUDA the FP8 matmul is
 `torch._scaled_mm` with the activations quantized per token on the fly; elsewhere (the CPU tests) the same
-arithmetic runs in float32. 128 x 128 block scales (as DeepSeek-V3's checkpoints) are here for comparing the
+arithmetic runs in float32; a decode step of at most 16 rows multiplies the FP8 weights unquantized instead, in a
+Triton kernel (`fp8_kernel.py`). 128 x 128 block scales (as DeepSeek-V3's checkpoints) are here for comparing the
 rounding error; the decoder uses per-channel scales, which `_scaled_mm` takes as its row-wise scaling.
 """
 
@@ -76,16 +77,46 @@ def dequantize(weight: FP8Weight) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for `x` `[..., in]` and a per-channel `weight` (`[out, in]`, both sides multiples of
-    16), in `x`'s dtype, with `x` quantized to e4m3 per token: `torch._scaled_mm` on CUDA (its second operand
-    column-major: the transposed row-major data; its scales `[tokens, 1]` and `[1, out]`), elsewhere the same
-    arithmetic in float32."""
-    rows = quantize_per_channel(x.reshape(-1, x.shape[-1]))
-    if x.is_cuda:
+    16), in `x`'s dtype. Up to `fp8_kernel.ROWS` rows (a decode step at the long tail) multiply the weight unquantized
+    (`fp8_weight_matmul`); more rows are quantized to e4m3 per token for `torch._scaled_mm` on CUDA (its second
+    operand column-major: the transposed row-major data; its scales `[tokens, 1]` and `[1, out]`), elsewhere the
+    same arithmetic in float32."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] <= FEW_ROWS:
+        out = fp8_weight_matmul(rows, weight.data, weight.scale)
+        out = out if bias is None else out + bias
+    elif x.is_cuda:
+        quantized = quantize_per_channel(rows)
         scale_b = weight.scale.view(1, -1)
-        out = torch._scaled_mm(rows.data, weight.data.t(), rows.scale, scale_b, bias=bias, out_dtype=x.dtype)
+        out = torch._scaled_mm(quantized.data, weight.data.t(), quantized.scale, scale_b, bias=bias, out_dtype=x.dtype)
     else:
-        out = nn.functional.linear(dequantize(rows), dequantize(weight), None if bias is None else bias.float())
+        bias = None if bias is None else bias.float()
+        out = nn.functional.linear(dequantize(quantize_per_channel(rows)), dequantize(weight), bias)
     return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+FEW_ROWS = 16
+"""The most rows `fp8_linear` multiplies with the FP8 weight unquantized (the kernel's tile, `fp8_kernel.ROWS`)."""
+
+
+@torch.library.custom_op("ketch::fp8_weight_matmul", mutates_args=())
+def fp8_weight_matmul(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`rows @ (data * scale).T`: `rows` `[n, in]`, `data` `[out, in]` e4m3, `scale` `[out, 1]` -> `[n, out]` in
+    `rows`' dtype (on CUDA the Triton kernel of `fp8_kernel.py`; elsewhere in float32). An op of its own, so that
+    compiled blocks and CUDA graphs hold it as one call."""
+    return nn.functional.linear(rows.float(), dequantize(FP8Weight(data, scale))).to(rows.dtype)
+
+
+@fp8_weight_matmul.register_kernel("cuda")
+def _fp8_weight_matmul_cuda(rows, data, scale):
+    from ketch.rollout.fp8_kernel import weight_matmul
+
+    return weight_matmul(rows.contiguous(), data, scale)
+
+
+@fp8_weight_matmul.register_fake
+def _fp8_weight_matmul_fake(rows, data, scale):
+    return rows.new_empty(rows.shape[0], data.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: FP8Weight | None) -> torch.Tensor:

@@ -1,0 +1,116 @@
+"""A Triton kernel for FP8 weights at the decoder's few-row steps (`fp8.fp8_linear` with at most `ROWS` rows).
+
+At the long tail of a batch a decode step multiplies a few rows by every weight, so its time is the weights'
+bytes. `torch._scaled_mm` at 4 rows spent as long on the 7B shape's FP8 weights as cuBLAS on its bf16 ones (6.0
+against 6.7 ms a step on an H100, 2026-12-07). This kernel reads the weight `[out, in]` as e4m3 bytes, converts
+each tile to the activations' dtype in registers and multiplies it with the rows unquantized, accumulating in
+float32; the per-output-channel scale is applied once at the end. Programs take `BLOCK_N` output channels each, as
+few as keep every SM busy; where the output channels alone cannot (the 0.5B shape's 896), each channel's inputs are
+split over programs whose partial sums a second pass adds.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS = 16
+"""The most rows the kernel takes (one tile of `tl.dot`, whose side is at least 16): more go to `_scaled_mm`."""
+BLOCK_K = 256
+"""Input channels a program reads per iteration (a 16-channel tile of weights is 4 KiB)."""
+
+
+def launch(out_channels: int, in_channels: int, sms: int) -> tuple[int, int]:
+    """`(BLOCK_N, splits)` for a weight `[out_channels, in_channels]` on `sms` SMs: the widest of 64, 32 and 16
+    output channels a program that still gives every SM one, else 16 with the inputs split into `splits` parts
+    (of at least `BLOCK_K` channels) so that the programs reach the SM count."""
+    for block_n in (64, 32, 16):
+        if triton.cdiv(out_channels, block_n) >= sms:
+            return block_n, 1
+    wanted = triton.cdiv(sms, triton.cdiv(out_channels, 16))
+    return 16, max(1, min(wanted, in_channels // BLOCK_K))
+
+
+@cache
+def _sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def weight_matmul(
+    rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, sms: int | None = None, tuning: dict | None = None
+) -> torch.Tensor:
+    """`rows @ (data * scale).T`: `rows` `[n, in]` (n <= `ROWS`), `data` `[out, in]` float8 e4m3, `scale` `[out, 1]`
+    float32 -> `[n, out]` in `rows`' dtype. `sms` overrides the SM count (CPU tensors, under Triton's interpreter,
+    count as one SM); `tuning` the launch (`BLOCK_N`, `splits`, `BLOCK_K`, `num_warps`, `num_stages`: what
+    `benchmarks/fp8_matmul.py --sweep` tries)."""
+    n, in_channels = rows.shape
+    if n > ROWS or rows.stride(-1) != 1 or data.stride(-1) != 1:
+        raise ValueError(f"FP8 weight matmul: {n} rows (at most {ROWS}), each operand contiguous along its inputs")
+    out_channels = data.shape[0]
+    if sms is None:
+        sms = _sms(rows.device.index or 0) if rows.is_cuda else 1
+    block_n, splits = launch(out_channels, in_channels, sms)
+    tuning = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 4} | (
+        tuning or {}
+    )
+    block_n, splits = tuning.pop("BLOCK_N"), tuning.pop("splits")
+    span = triton.cdiv(triton.cdiv(in_channels, splits), tuning["BLOCK_K"]) * tuning["BLOCK_K"]  # one split's inputs
+    dtype = rows.dtype if splits == 1 else torch.float32
+    partial = rows.new_empty(splits, n, out_channels, dtype=dtype)
+    grid = (triton.cdiv(out_channels, block_n), splits)
+    _weight_matmul[grid](
+        rows,
+        data,
+        scale,
+        partial,
+        n,
+        out_channels,
+        in_channels,
+        span,
+        rows.stride(0),
+        data.stride(0),
+        PRECISION="ieee" if rows.dtype == torch.float32 else None,  # float32 without TF32's rounding
+        BLOCK_N=block_n,
+        ROWS=ROWS,
+        **tuning,
+    )
+    return partial[0] if splits == 1 else partial.sum(0).to(rows.dtype)
+
+
+@triton.jit
+def _weight_matmul(
+    rows_ptr,
+    data_ptr,
+    scale_ptr,
+    out_ptr,
+    n,
+    out_channels,
+    in_channels,
+    span,
+    rows_stride,
+    data_stride,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Program (j, s): output channels `j * BLOCK_N` on, input channels `s * span` to `(s + 1) * span`; writes
+    `[n, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled."""
+    block, split = tl.program_id(0), tl.program_id(1)
+    row = tl.arange(0, ROWS)
+    channel = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for start in range(split * span, tl.minimum((split + 1) * span, in_channels), BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            rows_ptr + row[:, None] * rows_stride + k[None, :], (row[:, None] < n) & (k[None, :] < in_channels), 0.0
+        )
+        w_mask = (channel[:, None] < out_channels) & (k[None, :] < in_channels)
+        w = tl.load(data_ptr + channel[:, None] * data_stride + k[None, :], w_mask, 0.0).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    acc *= tl.load(scale_ptr + channel, channel < out_channels, 0.0)[None, :]
+    out = out_ptr + split * n * out_channels + row[:, None] * out_channels + channel[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), (row[:, None] < n) & (channel[None, :] < out_channels))
