@@ -4,10 +4,10 @@
     PYTHONPATH=. python3 benchmarks/default_run.py --config-path examples/arithmetic_ppo.yaml --out ...
 
 Without `--config-path` it runs what `make run` runs; with one, that example config of a built-in task (the
-arithmetic ones, or the visual task's `examples/vision.yaml`). With
-`--empty-cache` the built-in data and the warmed-up model are built afresh in a temporary cache, as on a
-fresh clone. Prints and writes: wall and CPU seconds of the warm-up and of the RL run, the median seconds of
-each step stage, the validation accuracy at every validation, torch's thread count and the machine's load
+arithmetic ones, or the visual task's `examples/vision.yaml`). With `--empty-cache` the built-in data and the
+warmed-up model are built afresh in a temporary cache, as on a fresh clone. Prints and writes: wall and CPU seconds
+of the warm-up and of the RL run, the warm-up's validations (kept beside the built-in model), the median seconds
+of each step stage, the validation accuracy at every validation, torch's thread count and the machine's load
 average (the figures are only comparable on an otherwise idle machine).
 """
 
@@ -75,6 +75,14 @@ def timed_fit(config, stage: str) -> tuple[list[dict], dict]:
     return records, timing | {"median_stage_s": stage_medians(records)}
 
 
+def validations(records: list[dict] | Path) -> dict[int, float]:
+    """Each validation's greedy accuracy by step, from metrics records or their JSONL file (none where there is no
+    such file: a built-in model cached before its warm-up's log was kept, or a model that is not built in)."""
+    if isinstance(records, Path):
+        records = read_metrics(records) if records.is_file() else []
+    return {r["step"]: round(r[acc], 3) for r in records for acc in r if VAL_ACC.fullmatch(acc)}
+
+
 def emit(result: dict, out: Path | None) -> None:
     """Print `result` as JSON and write it to `out` when given."""
     print(json.dumps(result, indent=2))
@@ -92,8 +100,10 @@ def main() -> None:
     runs = run_dir("ketch-default-run-", args.empty_cache)
     start = time.perf_counter()
     config = load_config(args.config_path, [f"trainer.default_local_dir={runs}", *args.overrides])
-    _, warmup_wall, warmup_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
+    model, warmup_wall, warmup_cpu = timed(builtin.resolve_model_path, config)  # cached: PPOTrainer reuses it
     print(f"warm-up (or the cached model): {warmup_wall:.1f} s wall, {warmup_cpu:.1f} s CPU", flush=True)
+    warmup_acc = validations(Path(model) / builtin.WARMUP_LOG)
+    print(f"the warm-up's validations (step: accuracy): {warmup_acc}", flush=True)
     records, rl_timing = timed_fit(config, "rl")
     result = {
         "config_path": args.config_path,
@@ -102,8 +112,9 @@ def main() -> None:
         "total_wall_s": round(time.perf_counter() - start, 1),
         "warmup_wall_s": round(warmup_wall, 1),
         "warmup_cpu_s": round(warmup_cpu, 1),
+        "warmup_val_acc": warmup_acc,
         **rl_timing,
-        "val_acc": {r["step"]: round(r[acc], 3) for r in records for acc in r if VAL_ACC.fullmatch(acc)},
+        "val_acc": validations(records),
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }

@@ -10,7 +10,8 @@ import torch
 from ketch.config import load_config
 from ketch.config.schema import BUILTIN_CALCULATOR_MODEL, BUILTIN_CALLER_MODEL, BUILTIN_MODEL
 from ketch.data.builtin.calculator import CalculatorTask, demonstration, generate_calculator_task
-from ketch.trainer.builtin import WARMUPS, resolve_model_path
+from ketch.tracking import read_metrics
+from ketch.trainer.builtin import WARMUP_LOG, WARMUPS, keep_warmup, resolve_model_path
 from ketch.trainer.groups import WorkerGroups
 from ketch.trainer.sft import SFTTrainer
 
@@ -37,6 +38,21 @@ def test_the_arithmetic_warm_up_stops_above_its_target_and_keeps_the_model_of_th
     assert [warmup.kept({ACC: acc}) for acc in accuracies] == [True, True, True, True, True, False]
     assert [warmup.reached({ACC: acc}) for acc in accuracies] == [False, False, False, False, False, True]
     assert warmup.kept({ACC: 0.2}) and not warmup.reached({ACC: 0.2})  # the target itself is under the bound
+
+
+def test_a_warm_up_keeps_its_metrics_beside_the_model_it_made(tmp_path):
+    """The warm-up's model replaces what a crashed warm-up left at the target, and its metrics (how the built-in
+    model was made: each validation's accuracy) stay beside it."""
+    run, target = tmp_path / "warmup", tmp_path / "models" / "tiny-arithmetic-0123"
+    (run / "model").mkdir(parents=True)
+    (run / "model" / "config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"step": 510, "val/ketch/arithmetic/acc": 0.156}\n')
+    target.mkdir(parents=True)
+    (target / "model.safetensors.tmp").write_text("")
+    keep_warmup(run, target)
+    assert sorted(path.name for path in target.iterdir()) == ["config.json", WARMUP_LOG]
+    assert read_metrics(target / WARMUP_LOG) == [{"step": 510, "val/ketch/arithmetic/acc": 0.156}]
+    assert not (run / "model").exists()
 
 
 def test_the_calculator_model_is_two_fixed_length_warm_ups_calls_then_the_mix():

@@ -284,8 +284,19 @@ def _warm_up(target: Path, warmup: Warmup, device: str) -> None:
                 "(trainer.test_freq, trainer.total_steps of the warm-up)"
             )
         if not (target / "config.json").is_file():
-            shutil.rmtree(target, ignore_errors=True)
-            (tmp / "warmup" / "model").rename(target)
+            keep_warmup(tmp / "warmup", target)
+
+
+WARMUP_LOG = "warmup_metrics.jsonl"
+"""The metrics of the SFT that made a built-in model (its losses and validations), kept in the model's directory."""
+
+
+def keep_warmup(run: Path, target: Path) -> None:
+    """Move the model of the warm-up run directory `run` to `target` (replacing what a crashed warm-up left there),
+    with the run's `metrics.jsonl` as `WARMUP_LOG` beside it."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copyfile(run / "metrics.jsonl", run / "model" / WARMUP_LOG)
+    (run / "model").rename(target)
 
 
 _WARMUP_DIR = re.compile(r"^\.warmup-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
