@@ -13,6 +13,7 @@ needs no entry; the families the architecture matrix test runs are listed in `te
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -252,9 +253,18 @@ def packing_problem(model: nn.Module) -> str | None:
     offsets must reach the packed attention through transformers' attention interface, and the model must need no
     more than it computes (`_fast_path_problem`). A vision-language model packs where its multimodal rotary
     positions come from `get_rope_index` (the Qwen families'; `engine/vision_forward.py`), not where its image tokens
-    attend both ways (Gemma 3's)."""
-    if is_vision_model(model.config) and not hasattr(model.model, "get_rope_index"):
-        return "its image tokens attend to each other both ways, which the packed attention (causal) does not"
+    attend both ways (Gemma 3's), and only where its forward takes the images encoded apart (`mm_encoder_outputs`,
+    transformers 5.19): an older forward ignores them, and the language model would train without its images."""
+    if is_vision_model(model.config):
+        if not hasattr(model.model, "get_rope_index"):
+            return "its image tokens attend to each other both ways, which the packed attention (causal) does not"
+        if "mm_encoder_outputs" not in inspect.signature(model.model.forward).parameters:
+            from transformers import __version__
+
+            return (
+                f"its forward in transformers {__version__} takes no mm_encoder_outputs (5.19's does), "
+                "through which the packed forward gives it the images it encoded apart"
+            )
     return _fast_path_problem(model)
 
 

@@ -16,6 +16,7 @@ from PIL import Image
 from torch import nn
 from transformers import AutoConfig
 
+from ketch.architecture import packing_problem
 from ketch.config import ConfigError
 from ketch.config.schema import DataConfig
 from ketch.data.batching import position_ids
@@ -321,6 +322,11 @@ def test_packed_log_probs_equal_the_padded_ones_in_float32(tmp_path, vlm_dirs, f
     expected, got = (head(*args, image_inputs=images)["log_prob"] for head in (padded, packed))
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     assert (got[response_mask == 0] == 0).all()
+    blank = images | {"pixel_values": torch.zeros_like(images["pixel_values"])}
+    for head in (padded, packed):  # the images reach the language model on both paths (rows 0 and 1 have some)
+        without = head(*args, image_inputs=blank)["log_prob"]
+        assert (without[:2] - expected[:2]).abs().max() > 1e-3
+        torch.testing.assert_close(without[2], expected[2], atol=1e-6, rtol=0)
     # the rollout's carried positions: the prompts' from get_rope_index, the responses' counted on from them
     carried = continued_positions(
         rope_positions(padded.lm.model, prompts, prompt_mask, batch["multi_modal_inputs"]), mask
@@ -332,6 +338,23 @@ def test_packed_log_probs_equal_the_padded_ones_in_float32(tmp_path, vlm_dirs, f
     for head in (padded, packed):
         got = head(input_ids, mask, carried, 5, image_inputs=images)["log_prob"]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_forward_that_takes_no_encoded_images_trains_padded(vlm_dirs):
+    """The packed forward encodes the images apart and gives them to the model as `mm_encoder_outputs`; a model
+    forward without that parameter (transformers 5.17's, on 2026-12-07's GPU machine) ignored them, and the built-in
+    visual task's warm-up and GRPO trained the language model without its images. Such a model trains padded."""
+    model = load_causal_lm(vlm_dirs["qwen2_vl"])
+    assert packing_problem(model) is None
+    backbone = type(model.model)
+
+    def forward(self, input_ids=None, pixel_values=None, image_grid_thw=None, **kwargs):
+        return backbone.forward(self, input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw)
+
+    model.model.__class__ = type("OlderQwen2VLModel", (backbone,), {"forward": forward})
+    assert packing_problem(model).startswith("its forward in transformers ")
+    assert "takes no mm_encoder_outputs (5.19's does)" in packing_problem(model)
+    assert not PolicyModel(model, packed=True).packed
 
 
 def test_carried_positions_count_each_response_on_from_its_prompts_largest():
