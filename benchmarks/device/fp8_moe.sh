@@ -5,8 +5,9 @@
 # (LAYERS of its 48 layers) with fixed-shape experts in CUDA graphs against transformers' experts without graphs.
 # Stage a3b: a GRPO step of that shape (LAYERS layers: the machine's 64 GB disk does not hold all 48 in bf16) with
 # LoRA on the attention projections and routing replay (R3), the rollout reading the frozen experts in place.
+# Stage matmul: `benchmarks/fp8_matmul.py`, each projection in bf16, `_scaled_mm` and the FP8 weight kernel.
 # Each stage has its own time limit and writes its JSON to $OUT as it ends; STAGES picks some of them:
-#   PYTHONPATH=. STAGES="tests fp8 moe a3b" LAYERS=24 bash benchmarks/device/fp8_moe.sh
+#   PYTHONPATH=. STAGES="tests matmul fp8 moe a3b" LAYERS=24 bash benchmarks/device/fp8_moe.sh
 set -u
 mkdir -p "$OUT/logs"
 STAGES=${STAGES:-tests fp8 moe}
@@ -15,6 +16,9 @@ stage() { local name=$1; shift; echo "=== $name $(date -u +%T)"; timeout "$@" >"
 if [[ $STAGES == *tests* ]]; then
     stage gpu_tests 240 python3 -m pytest tests/gpu/test_fp8_gpu.py tests/gpu/test_architectures_gpu.py -q \
         -p no:cacheprovider -k "fp8 or qwen3_moe or mixtral or deepseek_v3 or olmoe"
+fi
+if [[ $STAGES == *matmul* ]]; then  # each projection of the three shapes: bf16, _scaled_mm, the FP8 weight kernel
+    stage fp8_matmul 150 python3 benchmarks/fp8_matmul.py --rows 1 4 16 64 --out "$OUT/fp8_matmul.json"
 fi
 if [[ $STAGES == *fp8* ]]; then
     for flag in "" --fp8; do
