@@ -6,6 +6,7 @@ import io
 import json
 import math
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +26,7 @@ from ketch.data.dataset import RLHFDataset
 from ketch.data.errors import DatasetError
 from ketch.doctor.checks import _config_rows
 from ketch.engine.heads import PolicyModel
-from ketch.models import load_causal_lm
+from ketch.models import load_causal_lm, vision
 from ketch.models.mrope import continued_positions, rope_positions
 from ketch.models.vision import (
     QWEN_IMAGE,
@@ -67,6 +68,26 @@ def test_processor_expands_each_placeholder_into_the_vision_tokens_without_torch
             int((out["input_ids"] == processor.image_token_id).sum()) == int(out["image_grid_thw"].prod()) // 4
         )  # one token per 2x2 merged patches
     assert "torchvision" not in sys.modules
+
+
+def test_where_the_auto_class_asks_for_torchvision_the_pil_class_is_loaded(vlm_dirs, monkeypatch):
+    """transformers 5.17's `AutoImageProcessor` takes no PIL backend and asks for torchvision, which a CPU-only torch
+    may lack: the `<type>Pil` class is loaded itself, with the same pixels; a version without it says what to do."""
+    expected = load_image_processor(vlm_dirs["qwen2_vl"])(text=[QWEN_IMAGE], images=[_image(40, 50)])
+
+    def asks_torchvision(*args, **kwargs):
+        raise ImportError("AutoImageProcessor requires the Torchvision library")
+
+    monkeypatch.setattr(vision.AutoImageProcessor, "from_pretrained", asks_torchvision)
+    processor = load_image_processor(vlm_dirs["qwen2_vl"])
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    got = processor(text=[QWEN_IMAGE], images=[_image(40, 50)])
+    assert got["input_ids"] == expected["input_ids"]
+    assert torch.equal(torch.as_tensor(got["pixel_values"]), torch.as_tensor(expected["pixel_values"]))
+    older = SimpleNamespace(__version__="5.0.0", Qwen2VLProcessor=vision.transformers.Qwen2VLProcessor)
+    monkeypatch.setattr(vision, "transformers", older)  # no Qwen2VLImageProcessorPil
+    with pytest.raises(VisionModelError, match=r"5.0.0 has no Qwen2VLImageProcessorPil: install torchvision for"):
+        load_image_processor(vlm_dirs["qwen2_vl"])
 
 
 def test_vision_family_names_a_text_model_none_and_refuses_an_unknown_family(tmp_path, vlm_dirs):

@@ -86,7 +86,7 @@ def load_image_processor(model_path: str | Path, tokenizer: Any | None = None) -
         raise VisionModelError(f"{model_path} has no vision_config: it is not a vision-language model")
     processor_class = _image_only(getattr(transformers, VISION_FAMILIES[family][0]), VISION_FAMILIES[family][1])
     try:
-        image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil")
+        image_processor = _pil_image_processor(model_path)
     except (OSError, ValueError) as err:
         raise VisionModelError(
             f"cannot load the image processor of {model_path} ({err}); the directory needs the model's "
@@ -94,6 +94,22 @@ def load_image_processor(model_path: str | Path, tokenizer: Any | None = None) -
         ) from None
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
     return processor_class(image_processor=image_processor, tokenizer=tokenizer, **_processor_settings(model_path))
+
+
+def _pil_image_processor(model_path: str | Path) -> Any:
+    """The PIL backend of the image processor saved at `model_path`: `AutoImageProcessor`'s `backend="pil"`
+    (transformers 5.19), or where that asks for torchvision (5.17 without it), the `<type>Pil` class itself."""
+    try:
+        return AutoImageProcessor.from_pretrained(model_path, backend="pil")
+    except ImportError as err:
+        config = json.loads((Path(model_path) / "preprocessor_config.json").read_text())
+        name = f"{config.get('image_processor_type', '').removesuffix('Fast')}Pil"
+        if not hasattr(transformers, name):
+            raise VisionModelError(
+                f"cannot load the image processor of {model_path} without torchvision ({err}), and transformers "
+                f"{transformers.__version__} has no {name}: install torchvision for this torch, or transformers 5.19"
+            ) from None
+        return getattr(transformers, name).from_pretrained(model_path)
 
 
 PROCESSOR_FILES = (
