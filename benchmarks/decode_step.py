@@ -236,10 +236,11 @@ def copy_bandwidth() -> float:
 def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
     """Microseconds of one layer's decode attention of `rows` rows at `length` slots of context (the model's heads,
     bf16), each call on its own copy of the cache: the kernel as the decoder runs it (split over the cache), in one
-    chunk per (row, key/value head), at each split count that fits (`split_sweep_us`), and SDPA over a contiguous
-    cache (no mask, GQA: its flash kernel), against the floor of reading the keys and values once at `bandwidth`;
-    with the split kernel's largest difference from float32 SDPA."""
-    from ketch.rollout.decode_kernel import MIN_SPLIT_SLOTS, _sms, decode_attention, split_count
+    chunk per (row, key/value head), at each split count that fits (`split_sweep_us`), with the merge loading 16 to
+    128 splits at a time where it has more than `MERGE_BLOCK` (`merge_block_us`), and SDPA over a contiguous cache
+    (no mask, GQA: its flash kernel), against the floor of reading the keys and values once at `bandwidth`; with
+    the split kernel's largest difference from float32 SDPA."""
+    from ketch.rollout.decode_kernel import MERGE_BLOCK, MIN_SPLIT_SLOTS, _sms, decode_attention, split_count
 
     kv_heads, group, dim = S["kv_heads"], S["heads"] // S["kv_heads"], S["hidden"] // S["heads"]
     kv_bytes = 2 * rows * kv_heads * length * dim * 2
@@ -252,9 +253,9 @@ def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
     slot, scale = torch.tensor([length - 1], device="cuda"), dim**-0.5
     flat_q = q.reshape(rows, kv_heads * group, 1, dim)
 
-    def kernel(splits=None):
+    def kernel(splits=None, merge_block=MERGE_BLOCK):
         return [
-            partial(decode_attention, q, k, v, table, filled, slot, scale, splits=splits)
+            partial(decode_attention, q, k, v, table, filled, slot, scale, splits=splits, merge_block=merge_block)
             for (k, table), (v, _) in pools
         ]
 
@@ -276,6 +277,9 @@ def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
     record |= {f"{name}_us": round(us, 2) for name, us in times.items()}
     counts = [n for n in (8, 16, 32, 64, 128, 256) if n <= length // MIN_SPLIT_SLOTS]
     record["split_sweep_us"] = {n: round(cuda_seconds(kernel(n)) * 1e6, 2) for n in counts}
+    if record["splits"] > MERGE_BLOCK:  # the merge loads more than one block of splits
+        blocks = (16, 32, 64, 128)
+        record["merge_block_us"] = {b: round(cuda_seconds(kernel(merge_block=b)) * 1e6, 2) for b in blocks}
     record |= {f"{name}_over_floor": round(us / floor_us, 2) for name, us in times.items()}
     return record | {"floor_us": round(floor_us, 2), "kv_mb": round(kv_bytes / 1e6, 2), "max_diff": round(error, 5)}
 

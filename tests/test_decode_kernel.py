@@ -20,7 +20,7 @@ CASES = textwrap.dedent(
     from ketch.rollout.decode_kernel import decode_attention
     from ketch.rollout.kv_pages import as_pages
 
-    def case(rows, head_dim, splits, window, fp8=False):
+    def case(rows, head_dim, splits, window, fp8=False, merge_block=16):
         g = torch.Generator().manual_seed(rows)
         kv_heads, group, length, slot = 2, 7, 300, 260
         q = torch.randn(rows, kv_heads, group, head_dim, generator=g)
@@ -39,7 +39,8 @@ CASES = textwrap.dedent(
             k, v = (t.to(torch.float8_e4m3fn).float() for t in (k, v))
         if rows > 1:
             table[1] = 0  # a row that holds no page (finished) reads nothing
-        out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3, splits=splits)
+        out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3, splits=splits,
+                               merge_block=merge_block)
         seen = filled[:, None, None, : slot + 1]
         expected = torch.nn.functional.scaled_dot_product_attention(
             q, k[:, :, : slot + 1], v[:, :, : slot + 1], attn_mask=seen, scale=0.3
@@ -110,6 +111,13 @@ def test_split_kv_attention_equals_attention_over_the_whole_cache():
         assert result["shape"] == [rows, 2, 7, head_dim] and result["finite"], case
         assert result["max_diff"] < 1e-5, (case, result)
         assert result.get("no_page_max", 0.0) == 0.0, (case, result)
+
+
+def test_the_merge_takes_the_splits_in_blocks_of_any_power_of_two():
+    """20 splits merged in one block of 32 (the last 12 masked) or 128, and 3 in blocks of 2 (the second half
+    masked): the same attention as SDPA, to 1e-5."""
+    for result in run_cases([(1, 16, 20, 0, False, 128), (4, 16, 3, 0, False, 2), (1, 16, 20, 0, False, 32)]):
+        assert result["finite"] and result["max_diff"] < 1e-5, result
 
 
 def test_splits_fill_the_gpu_only_where_rows_and_heads_do_not():

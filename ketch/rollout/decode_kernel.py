@@ -24,6 +24,9 @@ MIN_SPLIT_SLOTS = 256
 """The fewest cache slots a split is given: shorter chunks would spend more on the merge than they save."""
 PROGRAMS_PER_SM = 4
 """Programs per SM that the splits aim for: a few rows at long context fill the GPU instead of a handful of SMs."""
+MERGE_BLOCK = 16
+"""Splits `_merge` loads at a time (fewer where there are fewer): at 1 row x 32k on an H100 (128 splits, 8 loads
+deep) the merge took 5 µs a layer, a third of the attention's time; `decode_step.py --floor` times 16 to 128."""
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -58,14 +61,15 @@ def decode_attention(
     scale: float,
     blocks: dict | None = None,
     splits: int | None = None,
+    merge_block: int = MERGE_BLOCK,
 ) -> torch.Tensor:
     """`query` `[rows, kv_heads, group, head_dim]` (the query heads of each key/value head) against the paged cache:
     pools `key`/`value` `[pages, kv_heads, page, head_dim]` under `table` `[rows, length / page]`, where `filled`
     `[rows, length]` (bool) and up to the slot `slot` `[1]`; returns `[rows, kv_heads, group, head_dim]` in
     `query`'s dtype (zeros in rows whose table names no page). `blocks` overrides the launch settings of `_blocks`
     (`BLOCK_N`, which must divide the page, `num_stages`, `num_warps`: what `benchmarks/decode_step.py --sweep`
-    tries) and `splits` the split count of `split_count` (`--floor` times one split against it; CPU tensors, under
-    Triton's interpreter, count as one SM)."""
+    tries), `splits` the split count of `split_count` (`--floor` times one split against it; CPU tensors, under
+    Triton's interpreter, count as one SM) and `merge_block` the splits the merge loads at a time (a power of two)."""
     rows, kv_heads, group, head_dim = query.shape
     blocks = blocks or _blocks(head_dim)
     if key.shape[2] % blocks["BLOCK_N"]:
@@ -104,8 +108,8 @@ def decode_attention(
         return out
     merged = torch.empty_like(query)
     pad = triton.next_power_of_2(splits)
-    heads = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": sizes["DIM_PAD"]}
-    _merge[(rows, kv_heads, group)](out, lse, merged, SPLITS=splits, SPLITS_PAD=pad, SPLIT_BLOCK=min(pad, 16), **heads)
+    heads = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": sizes["DIM_PAD"], "SPLIT_BLOCK": min(pad, merge_block)}
+    _merge[(rows, kv_heads, group)](out, lse, merged, SPLITS=splits, SPLITS_PAD=pad, **heads)
     return merged
 
 
