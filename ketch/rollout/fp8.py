@@ -7,7 +7,7 @@ router stay as they are) an FP8 copy with one float32 scale per output channel, 
 at each hand-off: the bf16 weights stay, untouched, for `weight_norm` and the next copy. On CUDA the FP8 matmul is
 `torch._scaled_mm` with the activations quantized per token on the fly; elsewhere (the CPU tests) the same
 arithmetic runs in float32; a decode step of at most 16 rows multiplies the FP8 weights unquantized instead, in a
-Triton kernel (`fp8_kernel.py`). 128 x 128 block scales (as DeepSeek-V3's checkpoints) are here for comparing the
+Triton kernel (`few_rows_kernel.py`). 128 x 128 block scales (as DeepSeek-V3's checkpoints) are here for comparing the
 rounding error; the decoder uses per-channel scales, which `_scaled_mm` takes as its row-wise scaling.
 """
 
@@ -77,7 +77,7 @@ def dequantize(weight: FP8Weight) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for `x` `[..., in]` and a per-channel `weight` (`[out, in]`, both sides multiples of
-    16), in `x`'s dtype. Up to `fp8_kernel.ROWS` rows (a decode step at the long tail) multiply the weight unquantized
+    16), in `x`'s dtype. Up to `FEW_ROWS` rows (a decode step at the long tail) multiply the weight unquantized
     (`fp8_weight_matmul`); more rows are quantized to e4m3 per token for `torch._scaled_mm` on CUDA (its second
     operand column-major: the transposed row-major data; its scales `[tokens, 1]` and `[1, out]`), elsewhere the
     same arithmetic in float32."""
@@ -96,20 +96,20 @@ def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = N
 
 
 FEW_ROWS = 16
-"""The most rows `fp8_linear` multiplies with the FP8 weight unquantized (the kernel's tile, `fp8_kernel.ROWS`)."""
+"""The most rows `fp8_linear` multiplies with the FP8 weight unquantized (the kernel's tile, `few_rows_kernel.ROWS`)."""
 
 
 @torch.library.custom_op("ketch::fp8_weight_matmul", mutates_args=())
 def fp8_weight_matmul(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`rows @ (data * scale).T`: `rows` `[n, in]`, `data` `[out, in]` e4m3, `scale` `[out, 1]` -> `[n, out]` in
-    `rows`' dtype (on CUDA the Triton kernel of `fp8_kernel.py`; elsewhere in float32). An op of its own, so that
+    `rows`' dtype (on CUDA the Triton kernel of `few_rows_kernel.py`; elsewhere in float32). An op of its own, so that
     compiled blocks and CUDA graphs hold it as one call."""
     return nn.functional.linear(rows.float(), dequantize(FP8Weight(data, scale))).to(rows.dtype)
 
 
 @fp8_weight_matmul.register_kernel("cuda")
 def _fp8_weight_matmul_cuda(rows, data, scale):
-    from ketch.rollout.fp8_kernel import weight_matmul
+    from ketch.rollout.few_rows_kernel import weight_matmul
 
     return weight_matmul(rows.contiguous(), data, scale)
 

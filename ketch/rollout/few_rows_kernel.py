@@ -1,12 +1,14 @@
-"""A Triton kernel for FP8 weights at the decoder's few-row steps (`fp8.fp8_linear` with at most `ROWS` rows).
+"""A Triton kernel for a weight times a few rows, the decoder's steps at the long tail of a batch (FP8 weights:
+`fp8.fp8_linear` with at most `ROWS` rows).
 
-At the long tail of a batch a decode step multiplies a few rows by every weight, so its time is the weights'
-bytes. `torch._scaled_mm` at 4 rows spent as long on the 7B shape's FP8 weights as cuBLAS on its bf16 ones (6.0
-against 6.7 ms a step on an H100, 2026-12-07). This kernel reads the weight `[out, in]` as e4m3 bytes, converts
-each tile to the activations' dtype in registers and multiplies it with the rows unquantized, accumulating in
-float32; the per-output-channel scale is applied once at the end. Programs take `BLOCK_N` output channels each, as
-few as keep every SM busy; where the output channels alone cannot (the 0.5B shape's 896), each channel's inputs are
-split over programs whose partial sums a second pass adds.
+At the long tail a decode step multiplies a few rows by every weight, so its time is the weights' bytes.
+`torch._scaled_mm` at 4 rows spent as long on the 7B shape's FP8 weights as cuBLAS on its bf16 ones (6.0 against
+6.7 ms a step on an H100, 2026-12-07), and cuBLAS at one row spent 4 µs on the 0.5B shape's q/k/v projection, whose
+2 MB take under 1 µs to read. This kernel reads the weight `[out, in]` in its own dtype (e4m3 bytes, or bf16),
+converts each tile to the activations' dtype in registers and multiplies it with the rows, accumulating in
+float32; a per-output-channel scale, where given, is applied once at the end. Programs take `BLOCK_N` output
+channels each, as few as keep every SM busy; where the output channels alone cannot (the 0.5B shape's 896), each
+channel's inputs are split over programs whose partial sums a second pass adds.
 """
 
 from __future__ import annotations
@@ -40,15 +42,19 @@ def _sms(device_index: int) -> int:
 
 
 def weight_matmul(
-    rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, sms: int | None = None, tuning: dict | None = None
+    rows: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    sms: int | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
-    """`rows @ (data * scale).T`: `rows` `[n, in]` (n <= `ROWS`), `data` `[out, in]` float8 e4m3, `scale` `[out, 1]`
-    float32 -> `[n, out]` in `rows`' dtype. `sms` overrides the SM count (CPU tensors, under Triton's interpreter,
-    count as one SM); `tuning` the launch (`BLOCK_N`, `splits`, `BLOCK_K`, `num_warps`, `num_stages`: what
-    `benchmarks/fp8_matmul.py --sweep` tries)."""
+    """`rows @ (data * scale).T`: `rows` `[n, in]` (n <= `ROWS`), `data` `[out, in]` (float8 e4m3, or the rows'
+    dtype), `scale` `[out, 1]` float32 or None (1) -> `[n, out]` in `rows`' dtype. `sms` overrides the SM count
+    (CPU tensors, under Triton's interpreter, count as one SM); `tuning` the launch (`BLOCK_N`, `splits`,
+    `BLOCK_K`, `num_warps`, `num_stages`: what `benchmarks/fp8_matmul.py --sweep` tries)."""
     n, in_channels = rows.shape
     if n > ROWS or rows.stride(-1) != 1 or data.stride(-1) != 1:
-        raise ValueError(f"FP8 weight matmul: {n} rows (at most {ROWS}), each operand contiguous along its inputs")
+        raise ValueError(f"few-rows weight matmul: {n} rows (at most {ROWS}), each operand contiguous along its inputs")
     out_channels = data.shape[0]
     if sms is None:
         sms = _sms(rows.device.index or 0) if rows.is_cuda else 1
@@ -64,7 +70,7 @@ def weight_matmul(
     _weight_matmul[grid](
         rows,
         data,
-        scale,
+        data if scale is None else scale,  # unread without a scale
         partial,
         n,
         out_channels,
@@ -73,6 +79,7 @@ def weight_matmul(
         rows.stride(0),
         data.stride(0),
         PRECISION="ieee" if rows.dtype == torch.float32 else None,  # float32 without TF32's rounding
+        SCALED=scale is not None,
         BLOCK_N=block_n,
         ROWS=ROWS,
         **tuning,
@@ -93,12 +100,13 @@ def _weight_matmul(
     rows_stride,
     data_stride,
     PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """Program (j, s): output channels `j * BLOCK_N` on, input channels `s * span` to `(s + 1) * span`; writes
-    `[n, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled."""
+    `[n, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled where `SCALED`."""
     block, split = tl.program_id(0), tl.program_id(1)
     row = tl.arange(0, ROWS)
     channel = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -111,6 +119,7 @@ def _weight_matmul(
         w_mask = (channel[:, None] < out_channels) & (k[None, :] < in_channels)
         w = tl.load(data_ptr + channel[:, None] * data_stride + k[None, :], w_mask, 0.0).to(x.dtype)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
-    acc *= tl.load(scale_ptr + channel, channel < out_channels, 0.0)[None, :]
+    if SCALED:
+        acc *= tl.load(scale_ptr + channel, channel < out_channels, 0.0)[None, :]
     out = out_ptr + split * n * out_channels + row[:, None] * out_channels + channel[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), (row[:, None] < n) & (channel[None, :] < out_channels))
