@@ -1,8 +1,9 @@
 #!/bin/bash
 # One device command for the built-in visual task on a GPU (issue 51). On an H100 on 2026-12-07 its run from an empty
 # cache took 411 s (the warm-up 347 s, against 41 s on a 2-core CPU) and GRPO did not learn (greedy accuracy 0.245
-# to 0.26), while on the CPU with the GPU's defaults forced (bf16, compiled, packed, static decoding) it learns. The
-# stages tell the GPU's parts apart; each writes its JSON and its run's metrics (flat, `$OUT/<stage>_metrics.jsonl`):
+# to 0.26): that machine's transformers (5.17) ignored the images in the packed training forwards, which now train
+# padded there (benchmarks/results/2026-12-07_h100_vision_dots.md). The stages check that on the GPU and tell its
+# parts apart; each writes its JSON and its run's metrics (flat, `$OUT/<stage>_metrics.jsonl`):
 #   rl           GRPO on cuda from the model warmed up on the CPU (carried: KETCH_CACHE_DIR=.carry/cache)
 #   rl_plain     the same with padded training forwards and `generate` (no packing, no static decoder)
 #   empty        the whole run from an empty cache, the warm-up's validations printed
