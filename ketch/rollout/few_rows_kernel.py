@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 ROWS = 16
-"""The most rows the kernel takes (one tile of `tl.dot`, whose side is at least 16): more go to `_scaled_mm`."""
+"""The most rows the kernel takes (one tile of `tl.dot`, whose side is at least 16)."""
 BLOCK_K = 256
 """Input channels a program reads per iteration (a 16-channel tile of weights is 4 KiB)."""
 
@@ -59,9 +59,8 @@ def weight_matmul(
     if sms is None:
         sms = _sms(rows.device.index or 0) if rows.is_cuda else 1
     block_n, splits = launch(out_channels, in_channels, sms)
-    tuning = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 4} | (
-        tuning or {}
-    )
+    defaults = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 4}
+    tuning = defaults | (tuning or {})
     block_n, splits = tuning.pop("BLOCK_N"), tuning.pop("splits")
     span = triton.cdiv(triton.cdiv(in_channels, splits), tuning["BLOCK_K"]) * tuning["BLOCK_K"]  # one split's inputs
     dtype = rows.dtype if splits == 1 else torch.float32
