@@ -187,6 +187,17 @@ def router_outputs(model: nn.Module) -> list[tuple[nn.Module, int]]:
     return outputs
 
 
+def unrecorded_router(model: nn.Module) -> str | None:
+    """Why the router logits of `model`, a mixture of experts (its config routes each token to
+    `num_experts_per_tok` experts), cannot be read, or None (they can, or it is not one): the installed
+    transformers records none for it (DeepSeek-V3's and GraniteMoE's before 5.19)."""
+    if not getattr(model.config, "num_experts_per_tok", None) or router_outputs(model):
+        return None
+    from transformers import __version__
+
+    return f"transformers {__version__} records no router logits of {type(model).__name__} (5.19 records them)"
+
+
 def _recorded(spec: Any) -> tuple[type | None, str | None, str | None, int]:
     """The module class, module-name suffix, layer name and output index of one entry of transformers'
     `_can_record_outputs`."""

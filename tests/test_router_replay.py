@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from families import save_tiny_family_model, tiny_family_config
 from transformers import AutoModelForCausalLM
 
+from ketch.architecture import unrecorded_router
 from ketch.config import ConfigError
 from ketch.config.parallel import check_rollout_start
 from ketch.data import build_char_tokenizer
@@ -182,3 +184,22 @@ def test_two_grpo_steps_with_router_replay(tiny_config, tmp_path, mode, decoding
     for metrics in steps:
         assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
         assert 0.0 <= metrics["actor/router_mismatch"] <= 1e-6  # float32: the training forward routes as the rollout
+
+
+def test_a_mixture_whose_router_logits_transformers_does_not_record_says_so(caplog):
+    """transformers 5.17 records no router logits of DeepSeek-V3 and GraniteMoE (5.19 does): such a model trains
+    without the router's auxiliary loss, said once as a warning, and routing replay refuses it with the reason."""
+    model = _model("qwen3_moe")
+    for module in (model, model.model):  # as an older transformers declares them: no router_logits to record
+        recorded = {k: v for k, v in type(module)._can_record_outputs.items() if k != "router_logits"}
+        module.__class__ = type(f"Older{type(module).__name__}", (type(module),), {"_can_record_outputs": recorded})
+    version = transformers.__version__
+    expected = f"transformers {version} records no router logits of OlderQwen3MoeForCausalLM (5.19 records them)"
+    assert unrecorded_router(model) == expected
+    assert unrecorded_router(_model("qwen3_moe")) is None
+    with caplog.at_level("WARNING", logger="ketch.engine"):
+        assert PolicyModel(model).router is None and PolicyModel(model).router is None
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"{expected}: it trains without the router's auxiliary loss"]
+    with pytest.raises(ValueError, match=r"routing replay: transformers .* records them\): upgrade transformers"):
+        ExpertRouting(model)

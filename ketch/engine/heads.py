@@ -14,12 +14,13 @@ group (set by the engine), the policy and value heads run packed on this rank's 
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
 from torch import nn
 
-from ketch.architecture import decoder, is_vision_model, logit_transform, router, router_outputs
+from ketch.architecture import decoder, is_vision_model, logit_transform, router, router_outputs, unrecorded_router
 from ketch.determinism import disable_dropout, keep_in_eval
 from ketch.engine.fused_log_probs import token_log_probs
 from ketch.engine.load_balancing import load_balancing_loss
@@ -28,6 +29,10 @@ from ketch.engine.sequence_parallel import sharded_states
 from ketch.engine.vision_forward import vision_hidden
 from ketch.models.batch_invariant import label_log_probs, make_batch_invariant
 from ketch.models.router_replay import ExpertRouting, differing, unrecorded_last
+
+logger = logging.getLogger("ketch.engine")
+_SAID: set[str] = set()
+"""The mixtures of experts whose unrecorded router logits have been logged in this process."""
 
 
 class _Deterministic(nn.Module):
@@ -58,6 +63,9 @@ class PolicyModel(_Deterministic):
         self.transform, self.router_logits = logit_transform(lm.config), []
         routers = router_outputs(lm)
         self.router = router(lm.config) if routers else None
+        if (problem := unrecorded_router(lm)) and problem not in _SAID:
+            _SAID.add(problem)
+            logger.warning("%s: it trains without the router's auxiliary loss", problem)
         for module, index in routers:  # hooks, traced into compiled blocks (transformers' own capture is not)
             module.register_forward_hook(partial(_record, self.router_logits, index))
         self.routing = ExpertRouting(lm).attach() if route_experts else None

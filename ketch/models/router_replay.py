@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ketch.architecture import router, router_outputs
+from ketch.architecture import router, router_outputs, unrecorded_router
 
 _TOPK = (torch.topk, torch.Tensor.topk)
 
@@ -70,6 +70,8 @@ class ExpertRouting:
     def __init__(self, model: nn.Module):
         config = router(model.config)
         found = list(dict.fromkeys(module for module, _ in router_outputs(model)))
+        if problem := unrecorded_router(model):
+            raise ValueError(f"routing replay: {problem}: upgrade transformers, or set actor.router_replay=off")
         if config is None or not found:
             raise ValueError(f"routing replay: {type(model).__name__} is not a mixture of experts")
         self.top_k, self.experts = config.top_k, found[0].weight.shape[0]
