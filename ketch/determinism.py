@@ -82,7 +82,7 @@ def _logits(model: nn.Module, training: bool, eval_only: list[nn.Module] = ()) -
     model.train(training)
     keep_in_eval(eval_only)
     with torch.no_grad():
-        logits = model(input_ids=tokens, use_cache=False).logits.float()  # no cache (RecurrentGemma's fails in 5.17)
+        logits = model(input_ids=tokens, use_cache=False).logits.float()  # the probe needs no cache
     model.train(was_training)
     return logits
 
