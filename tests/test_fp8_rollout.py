@@ -116,6 +116,19 @@ def test_a_decode_in_fp8_gives_log_probs_close_to_the_unquantized_models(kind):
     assert 0 < difference < 0.02, difference
 
 
+def test_a_compiled_decode_step_holds_the_fp8_ops():
+    """The decode step compiled as on GPUs (`compile_step`), through the FP8 op of the few-row steps and the float32
+    reference of the many-row prefill: the eager decode's greedy tokens, log-probs within 1e-6."""
+    prompts = torch.randint(1, 64, (3, 7), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for compiled in (False, True):
+        decoder = StaticDecoder(tiny("qwen2", torch.float32), compile_step=compiled)
+        FP8Projections(decoder.blocks)
+        out[compiled] = decoder.generate(prompts, torch.ones(3, 7), 8, Sampling(do_sample=False), [63], pad_token_id=0)
+    assert torch.equal(out[True][0], out[False][0])
+    torch.testing.assert_close(out[True][1], out[False][1], atol=1e-6, rtol=0)
+
+
 def test_the_hand_off_quantizes_the_new_weights_into_the_same_tensors(tiny_model_dir):
     """`HFRollout.update_weights` with `rollout.quantization=fp8`: the rollout's bf16 weights are the sent ones
     exactly, the sent tensors unchanged, and the FP8 copies hold the new weights at their old addresses."""
