@@ -240,7 +240,7 @@ def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
     128 splits at a time where it has more than `MERGE_BLOCK` (`merge_block_us`), and SDPA over a contiguous cache
     (no mask, GQA: its flash kernel), against the floor of reading the keys and values once at `bandwidth`; with
     the split kernel's largest difference from float32 SDPA."""
-    from ketch.rollout.decode_kernel import MERGE_BLOCK, MIN_SPLIT_SLOTS, _sms, decode_attention, split_count
+    from ketch.rollout.decode_kernel import MERGE_BLOCK, MIN_SPLIT_SLOTS, decode_attention, sm_count, split_count
 
     kv_heads, group, dim = S["kv_heads"], S["heads"] // S["kv_heads"], S["hidden"] // S["heads"]
     kv_bytes = 2 * rows * kv_heads * length * dim * 2
@@ -273,7 +273,7 @@ def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
         name: cuda_seconds(fns) * 1e6
         for name, fns in (("split_kv", kernel()), ("one_chunk", kernel(1)), ("sdpa", sdpa))
     }
-    record = {"rows": rows, "context": length, "splits": split_count(rows, kv_heads, length, _sms(0))}
+    record = {"rows": rows, "context": length, "splits": split_count(rows, kv_heads, length, sm_count(q))}
     record |= {f"{name}_us": round(us, 2) for name, us in times.items()}
     counts = [n for n in (8, 16, 32, 64, 128, 256) if n <= length // MIN_SPLIT_SLOTS]
     record["split_sweep_us"] = {n: round(cuda_seconds(kernel(n)) * 1e6, 2) for n in counts}

@@ -45,9 +45,13 @@ def split_count(rows: int, kv_heads: int, length: int, sms: int) -> int:
     return max(1, min(wanted, length // MIN_SPLIT_SLOTS))
 
 
+def sm_count(tensor: torch.Tensor) -> int:
+    """The SMs of the CUDA device that holds `tensor`; 1 for a CPU tensor (Triton's interpreter)."""
+    return _sms(tensor.device.index or 0) if tensor.is_cuda else 1
+
+
 @cache
 def _sms(device_index: int) -> int:
-    """The SMs of CUDA device `device_index`."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -75,8 +79,7 @@ def decode_attention(
     if key.shape[2] % blocks["BLOCK_N"]:
         raise ValueError(f"decode attention: blocks of {blocks['BLOCK_N']} slots do not divide pages of {key.shape[2]}")
     if splits is None:
-        sms = _sms(query.device.index or 0) if query.is_cuda else 1
-        splits = split_count(rows, kv_heads, filled.shape[1], sms)
+        splits = split_count(rows, kv_heads, filled.shape[1], sm_count(query))
     query, sizes = query.contiguous(), _sizes(group, head_dim)
     out = lse = torch.empty_like(query)  # lse: unused with one split
     if splits > 1:

@@ -13,11 +13,11 @@ channel's inputs are split over programs whose partial sums a second pass adds.
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
+
+from ketch.rollout.decode_kernel import sm_count
 
 ROWS = 16
 """The most rows the kernel takes (one tile of `tl.dot`, whose side is at least 16)."""
@@ -36,11 +36,6 @@ def launch(out_channels: int, in_channels: int, sms: int) -> tuple[int, int]:
     return 16, max(1, min(wanted, in_channels // BLOCK_K))
 
 
-@cache
-def _sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def weight_matmul(
     rows: torch.Tensor,
     data: torch.Tensor,
@@ -56,9 +51,7 @@ def weight_matmul(
     if n > ROWS or rows.stride(-1) != 1 or data.stride(-1) != 1:
         raise ValueError(f"few-rows weight matmul: {n} rows (at most {ROWS}), each operand contiguous along its inputs")
     out_channels = data.shape[0]
-    if sms is None:
-        sms = _sms(rows.device.index or 0) if rows.is_cuda else 1
-    block_n, splits = launch(out_channels, in_channels, sms)
+    block_n, splits = launch(out_channels, in_channels, sm_count(rows) if sms is None else sms)
     defaults = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 4}
     tuning = defaults | (tuning or {})
     block_n, splits = tuning.pop("BLOCK_N"), tuning.pop("splits")
