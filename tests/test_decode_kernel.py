@@ -4,13 +4,11 @@ over a paged cache against PyTorch's attention over the filled slots, in one chu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted import interpreted
 
 pytest.importorskip("triton")
 
@@ -64,12 +62,7 @@ CASES = textwrap.dedent(
 
 def run_cases(cases: list[tuple]) -> list[dict]:
     """The kernel on each `(rows, head_dim, splits, window)` in one interpreted process (imports once)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", CASES, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted(CASES, json.dumps(cases))
 
 
 def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():

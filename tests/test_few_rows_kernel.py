@@ -4,12 +4,10 @@ on the CPU in float32, against the float32 product with the dequantized FP8 weig
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import interpreted
 
 pytest.importorskip("triton")
 
@@ -36,12 +34,7 @@ CASES = textwrap.dedent(
 
 def run_cases(cases: list[tuple]) -> list[dict]:
     """The kernel on each `(rows, out, inputs, sms[, fp8])` in one interpreted process (imports once)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", CASES, json.dumps(cases)], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreted(CASES, json.dumps(cases))
 
 
 def test_the_kernel_multiplies_the_rows_by_the_dequantized_weight():

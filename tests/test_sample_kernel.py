@@ -3,13 +3,10 @@ tokens and log-probs as torch computes them, draws with the softmax's frequencie
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from interpreted import interpreted
 
 pytest.importorskip("triton")
 
@@ -50,10 +47,7 @@ def test_kernel_takes_the_argmax_or_draws_from_the_softmax_by_seed():
     a tie across chunks; sampled on 300 rows at temperature 2: frequencies 0.5/0.3/0.2 within 0.07 (the draws
     are fixed by the seed: a row's draw depends on the seed and the row only; measured 0.470/0.337/0.193), log-probs
     under the scaled softmax."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CASE], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = interpreted(CASE, timeout=300)
     greedy, sampled = result["greedy"], result["sampled"]
     assert greedy["tokens"] == greedy["argmax"]
     assert greedy["tokens"][3] == 8999 and greedy["tokens"][5] == 100
