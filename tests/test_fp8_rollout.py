@@ -156,10 +156,14 @@ def test_the_hand_off_quantizes_the_new_weights_into_the_same_tensors(tiny_model
     assert torch.equal(attention.o_proj.fp8.scale, expected.scale)
 
 
-def test_fp8_needs_actor_rollout_is_and_a_gpu_with_fp8_matmuls(tiny_model_dir, monkeypatch):
+def test_fp8_corrects_with_token_level_rollout_is_by_default_and_needs_a_gpu_with_fp8_matmuls(
+    tiny_model_dir, monkeypatch
+):
     base = [f"model.path={tiny_model_dir}", "rollout.quantization=fp8"]
+    assert load_config(overrides=base).actor.rollout_is == "token"
+    assert load_config(overrides=[*base, "actor.rollout_is=sequence"]).actor.rollout_is == "sequence"
     with pytest.raises(ConfigError, match=r"rollout\.quantization=fp8 .* set actor\.rollout_is=token"):
-        load_config(overrides=base)
+        load_config(overrides=[*base, "actor.rollout_is=null"])
     config = load_config(overrides=[*base, "actor.rollout_is=token", "trainer.device=cpu"])
     assert "this run decodes on the CPU (trainer.device)" in fp8_rollout_problem(config, gpu_visible=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (8, 0))
@@ -195,8 +199,9 @@ def test_an_fp8_kv_cache_decodes_close_to_the_full_precision_cache(kind):
 
 def test_an_fp8_kv_cache_needs_rollout_is_and_the_static_decoder_and_halves_the_estimate(tiny_model_dir):
     base = [f"model.path={tiny_model_dir}", "rollout.kv_cache_dtype=fp8"]
+    assert load_config(overrides=base).actor.rollout_is == "token"
     with pytest.raises(ConfigError, match=r"rollout\.kv_cache_dtype=fp8 samples with FP8-rounded keys and values"):
-        load_config(overrides=base)
+        load_config(overrides=[*base, "actor.rollout_is=null"])
     with pytest.raises(ConfigError, match=r"set rollout\.hf_decoding=static \(or auto, on GPUs\)"):
         load_config(overrides=[*base, "actor.rollout_is=token", "rollout.hf_decoding=generate"])
     on_cpu = load_config(overrides=[*base, "actor.rollout_is=token", "trainer.device=cpu"])

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from ketch.data import build_char_tokenizer
 from ketch.determinism import RandomForwardError, disable_dropout, keep_in_eval
 from ketch.models import build_tiny_model
-from ketch.trainer.mismatch_guard import RolloutMismatchError, measure
+from ketch.protocol import DataProto
+from ketch.trainer.mismatch_guard import RolloutMismatchError, measure, verdict
 from ketch.trainer.ppo import PPOTrainer
 
 
@@ -86,6 +87,36 @@ def test_measure_finds_the_largest_gap_its_mean_and_its_token():
     assert m.largest == pytest.approx(0.3)
     assert m.mean == pytest.approx((0.0 + 0.05 + 0.3) / 3)
     assert (m.rollout, m.train, m.eval) == pytest.approx((0.9, 0.6, 0.9))
+
+
+def test_an_fp8_rollouts_gap_passes_and_the_models_own_noise_still_stops_it(tiny_model_dir):
+    """With `rollout.quantization=fp8` the rollout's gap is FP8's (0.3 here, corrected by truncated importance
+    sampling): only the training forward against its eval mode counts, in bf16 within (0.5, 0.01)."""
+    from ketch.config import load_config
+
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "rollout.quantization=fp8",
+        "trainer.device=cuda",
+        "model.dtype=bfloat16",
+    ]
+    fp8, plain = (load_config(overrides=o) for o in (overrides, overrides[:1] + overrides[2:]))
+    rollout = torch.tensor([[0.5, 0.2], [0.9, 0.3]]).log()
+    train = torch.tensor([[0.5, 0.25], [0.6, 0.3]]).log()
+    batch = DataProto.from_single_dict({"rollout_log_probs": rollout, "response_mask": torch.ones(2, 2)})
+    forwards = DataProto.from_single_dict({"train_log_prob": train, "eval_log_prob": train})
+    forwards.meta_info["fast_paths"] = ["the static decoder"]
+    assert verdict(batch, forwards, "Qwen2ForCausalLM", fp8) == (measure(train, train, train, torch.ones(2, 2)), None)
+    mismatch, message = verdict(batch, forwards, "Qwen2ForCausalLM", plain)
+    assert mismatch.mean == pytest.approx(0.0875) and message.startswith("the rollout's probabilities")
+    noisy = DataProto.from_single_dict({"train_log_prob": train, "eval_log_prob": rollout})
+    noisy.meta_info["fast_paths"] = []
+    mismatch, message = verdict(batch, noisy, "Qwen2ForCausalLM", fp8)
+    assert mismatch.largest == pytest.approx(0.3) and message.startswith(
+        "with rollout.quantization=fp8 (whose gap actor.rollout_is corrects) the eval mode's probabilities of the "
+        "sampled tokens differ from the training forward's at the first step: Qwen2ForCausalLM, largest gap 0.3"
+    )
+    assert "the model itself differs" in message
 
 
 class _Noisy(torch.nn.Module):

@@ -78,9 +78,20 @@ def load_config(
             given[path] = _get(tree, path)
     for path in given.keys() & from_file.keys():
         logger.info("%s=%r from the command line replaces %r from %s", path, given[path], from_file[path], config_path)
+    _correct_fp8_by_default(tree, given.keys() | from_file.keys())
     config = _build(KetchConfig, tree, prefix="")
     validate(config)
     return config
+
+
+def _correct_fp8_by_default(tree: _Tree, set_keys: set[str]) -> None:
+    """An FP8 rollout (`rollout.quantization=fp8` or `rollout.kv_cache_dtype=fp8`) samples from FP8-rounded weights
+    or cache: where `actor.rollout_is` is not set (in `set_keys`), token-level truncated importance sampling corrects
+    the gap, said in an INFO line."""
+    fp8 = "fp8" in (_get(tree, "rollout.quantization"), _get(tree, "rollout.kv_cache_dtype"))
+    if fp8 and "actor.rollout_is" not in set_keys and _get(tree, "actor.rollout_is") is None:
+        _merge(tree, _nest("actor.rollout_is", "token"), source="the FP8 rollout's default")
+        logger.info("FP8 rollout: actor.rollout_is=token corrects its gap (set actor.rollout_is to change the level)")
 
 
 def _runs_builtin_task(tree: _Tree, overrides: list[str]) -> bool:

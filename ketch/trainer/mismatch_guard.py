@@ -58,11 +58,24 @@ def measure(
     return Mismatch(gap.max().item(), mean, row, token, rollout[at].item(), train[at].item(), evaluated[at].item())
 
 
-def measure_forwards(batch: DataProto, forwards: DataProto) -> Mismatch:
+def measure_forwards(batch: DataProto, forwards: DataProto, fp8: bool = False) -> Mismatch:
     """`measure` of a generated `batch` (`rollout_log_probs`, `response_mask`) against the actor's forwards over it
-    (`compute_mismatch_log_probs`: `train_log_prob`, `eval_log_prob`)."""
+    (`compute_mismatch_log_probs`: `train_log_prob`, `eval_log_prob`). With an FP8 rollout (`fp8`) the rollout
+    samples from FP8-rounded weights by design, a gap that truncated importance sampling corrects: the training
+    forward is measured against its eval mode instead, which dropout or noise left on still moves."""
     b, f = batch.batch, forwards.batch
-    return measure(b["rollout_log_probs"], f["train_log_prob"], f["eval_log_prob"], b["response_mask"])
+    reference = f["eval_log_prob"] if fp8 else b["rollout_log_probs"]
+    return measure(reference, f["train_log_prob"], f["eval_log_prob"], b["response_mask"])
+
+
+def verdict(batch: DataProto, forwards: DataProto, family: str, config: KetchConfig) -> tuple[Mismatch, str | None]:
+    """The first step's mismatch of `batch` with the actor's `forwards`, and the message the run stops with (None
+    within the rounding of the run's dtype)."""
+    fp8, dtype = config.rollout.quantization == "fp8", compute_dtype(config)
+    mismatch = measure_forwards(batch, forwards, fp8)
+    if not beyond_rounding(mismatch, dtype):
+        return mismatch, None
+    return mismatch, describe(mismatch, family, forwards.meta_info["fast_paths"], dtype, fp8)
 
 
 def beyond_rounding(mismatch: Mismatch, dtype: torch.dtype) -> bool:
@@ -71,17 +84,23 @@ def beyond_rounding(mismatch: Mismatch, dtype: torch.dtype) -> bool:
     return mismatch.largest > largest or mismatch.mean > mean
 
 
-def describe(mismatch: Mismatch, family: str, fast_paths: list[str], dtype: torch.dtype) -> str:
+def describe(mismatch: Mismatch, family: str, fast_paths: list[str], dtype: torch.dtype, fp8: bool = False) -> str:
     """One message: the family, the gap against the dtype's tolerance, the token, and which side differs (`fast_paths`:
-    ketch's own code paths that computed the two sides, keys of `PLAIN`)."""
+    ketch's own code paths that computed the two sides, keys of `PLAIN`; with an FP8 rollout, `fp8`, the gap is the
+    training forward's against its eval mode: the model itself)."""
     m, (largest, mean) = mismatch, TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
-    name = str(dtype).removeprefix("torch.")
+    name, side = str(dtype).removeprefix("torch."), MODEL_ITSELF if fp8 else _side(mismatch, fast_paths, largest)
+    lead = (
+        "with rollout.quantization=fp8 (whose gap actor.rollout_is corrects) the eval mode's"
+        if fp8
+        else "the rollout's"
+    )
+    probabilities = ("" if fp8 else f"rollout {m.rollout:.4f}, ") + f"training forward {m.train:.4f}"
     return (
-        f"the rollout's probabilities of the sampled tokens differ from the training forward's at the first step: "
+        f"{lead} probabilities of the sampled tokens differ from the training forward's at the first step: "
         f"{family}, largest gap {m.largest:.3g} (mean {m.mean:.3g}; rounding in {name} explains up to {largest:g}, "
-        f"mean {mean:g}), at row {m.row}, response token {m.token} (rollout {m.rollout:.4f}, training forward "
-        f"{m.train:.4f}, its eval mode {m.eval:.4f}); {_side(m, fast_paths, largest)}; actor.mismatch_check=warn logs "
-        "this and trains on"
+        f"mean {mean:g}), at row {m.row}, response token {m.token} ({probabilities}, its eval mode {m.eval:.4f}); "
+        f"{side}; actor.mismatch_check=warn logs this and trains on"
     )
 
 
@@ -90,10 +109,7 @@ def _side(m: Mismatch, fast: list[str], largest: float) -> str:
     that ketch did not turn off), else the two code paths, of which the fast ones are named with the way to turn them
     off; where both are already plain, the model's own decoding and its padded forward."""
     if abs(m.train - m.eval) > largest:
-        return (
-            "the model itself differs: its training-mode forward computes otherwise than its eval mode (dropout or "
-            "noise that ketch did not turn off; set it to 0 with model.override_config)"
-        )
+        return MODEL_ITSELF
     if not fast:
         return (
             "the training forward is deterministic and both sides run plain (a padded forward, transformers' "
@@ -104,6 +120,11 @@ def _side(m: Mismatch, fast: list[str], largest: float) -> str:
         f"{' '.join(PLAIN[path] for path in fast)} to find which one"
     )
 
+
+MODEL_ITSELF = (
+    "the model itself differs: its training-mode forward computes otherwise than its eval mode (dropout or noise that "
+    "ketch did not turn off; set it to 0 with model.override_config)"
+)
 
 PLAIN = {
     "packed training forwards": "model.use_remove_padding=false",
@@ -124,13 +145,14 @@ def family_name(model_config) -> str:
     return f"{', '.join(model_config.architectures or []) or 'the model'} (model_type={model_config.model_type!r})"
 
 
-def check(mismatch: Mismatch, family: str, fast_paths: list[str], config: KetchConfig) -> None:
-    """Stop (`actor.mismatch_check=error`, `RolloutMismatchError`) or warn (`warn`) when `mismatch` is beyond the
-    rounding of the run's dtype."""
-    dtype = compute_dtype(config)
-    if config.actor.mismatch_check == "off" or not beyond_rounding(mismatch, dtype):
+def check(batch: DataProto, forwards: DataProto, family: str, config: KetchConfig) -> None:
+    """Stop (`actor.mismatch_check=error`, `RolloutMismatchError`) or warn (`warn`) when the first step's mismatch
+    (`verdict`) is beyond the rounding of the run's dtype."""
+    if config.actor.mismatch_check == "off":
         return
-    message = describe(mismatch, family, fast_paths, dtype)
+    _, message = verdict(batch, forwards, family, config)
+    if message is None:
+        return
     if config.actor.mismatch_check == "error":
         raise RolloutMismatchError(message)
     logger.warning(message)
@@ -165,7 +187,4 @@ def check_two_prompts(config: KetchConfig) -> tuple[Mismatch, str | None]:
         family = family_name(group.worker.hf_config)
     finally:
         group.shutdown()
-    mismatch, dtype = measure_forwards(batch, forwards), compute_dtype(config)
-    if not beyond_rounding(mismatch, dtype):
-        return mismatch, None
-    return mismatch, describe(mismatch, family, forwards.meta_info["fast_paths"], dtype)
+    return verdict(batch, forwards, family, config)

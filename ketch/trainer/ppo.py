@@ -43,7 +43,7 @@ from ketch.trainer.dynamic_sampling import EXTRA_PREFIX, fill_with_informative_g
 from ketch.trainer.groups import WorkerGroups, build_worker_groups
 from ketch.trainer.loop import TrainingLoop
 from ketch.trainer.metrics import data_metrics, throughput_metrics, truncated_fraction
-from ketch.trainer.mismatch_guard import check, family_name, measure_forwards
+from ketch.trainer.mismatch_guard import check, family_name
 from ketch.trainer.partial import PARTIAL_FILE, PartialRollouts
 from ketch.trainer.standalone_rollout import StandaloneRollout
 from ketch.trainer.startup import check_start
@@ -324,7 +324,7 @@ class PPOTrainer(TrainingLoop):
                 self.mismatch_checked = False
                 return
         forwards = self.actor_rollout.compute_mismatch_log_probs(batch)
-        check(measure_forwards(batch, forwards), self.family, forwards.meta_info["fast_paths"], self.config)
+        check(batch, forwards, self.family, self.config)
 
     def _advantages(self, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         a = self.config.algorithm
