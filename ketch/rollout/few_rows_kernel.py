@@ -6,9 +6,9 @@ At the long tail a decode step multiplies a few rows by every weight, so its tim
 6.7 ms a step on an H100, 2026-12-07), and cuBLAS at one row spent 4 µs on the 0.5B shape's q/k/v projection, whose
 2 MB take under 1 µs to read. This kernel reads the weight `[out, in]` in its own dtype (e4m3 bytes, or bf16),
 converts each tile to the activations' dtype in registers and multiplies it with the rows, accumulating in
-float32; a per-output-channel scale, where given, is applied once at the end. Programs take `BLOCK_N` output
-channels each, as few as keep every SM busy; where the output channels alone cannot (the 0.5B shape's 896), each
-channel's inputs are split over programs whose partial sums a second pass adds.
+float32; a per-output-channel scale and a bias, where given, are applied once at the end. Programs take `BLOCK_N`
+output channels each; a weight much wider in its inputs has each channel's inputs split over programs whose
+partial sums a second pass adds (`launch`).
 """
 
 from __future__ import annotations
@@ -26,25 +26,26 @@ BLOCK_K = 256
 
 
 def launch(out_channels: int, in_channels: int, sms: int) -> tuple[int, int]:
-    """`(BLOCK_N, splits)` for a weight `[out_channels, in_channels]` on `sms` SMs: the widest of 64, 32 and 16
-    output channels a program that still gives every SM one, else 16 with the inputs split into `splits` parts
-    (of at least `BLOCK_K` channels) so that the programs reach the SM count."""
-    for block_n in (64, 32, 16):
-        if triton.cdiv(out_channels, block_n) >= sms:
-            return block_n, 1
-    wanted = triton.cdiv(sms, triton.cdiv(out_channels, 16))
-    return 16, max(1, min(wanted, in_channels // BLOCK_K))
+    """`(BLOCK_N, splits)` for a weight `[out_channels, in_channels]` on `sms` SMs, as `benchmarks/fp8_matmul.py
+    --sweep` found fastest at 4 rows on an H100 (2026-12-07): a weight at least 4 times wider in its inputs than its
+    outputs (a down projection) split in 4 over its inputs (the 7B shape's down: 34 against 58 µs whole), in blocks
+    of 32 output channels; any other whole (the pass that adds split partial sums costs about 3 µs, which small
+    weights do not repay), in blocks of 32 channels where that gives at least half the SMs a program, else 16."""
+    splits = 4 if in_channels >= 4 * max(out_channels, BLOCK_K) else 1
+    return (32 if splits > 1 or triton.cdiv(out_channels, 32) >= sms // 2 else 16), splits
 
 
 def weight_matmul(
     rows: torch.Tensor,
     data: torch.Tensor,
     scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
     sms: int | None = None,
     tuning: dict | None = None,
 ) -> torch.Tensor:
-    """`rows @ (data * scale).T`: `rows` `[n, in]` (n <= `ROWS`), `data` `[out, in]` (float8 e4m3, or the rows'
-    dtype), `scale` `[out, 1]` float32 or None (1) -> `[n, out]` in `rows`' dtype. `sms` overrides the SM count
+    """`rows @ (data * scale).T + bias`: `rows` `[n, in]` (n <= `ROWS`), `data` `[out, in]` (float8 e4m3, or the
+    rows' dtype), `scale` `[out, 1]` float32 or None (1), `bias` `[out]` or None -> `[n, out]` in `rows`' dtype, the
+    bias added in float32 before the one rounding. `sms` overrides the SM count
     (CPU tensors, under Triton's interpreter, count as one SM); `tuning` the launch (`BLOCK_N`, `splits`,
     `BLOCK_K`, `num_warps`, `num_stages`: what `benchmarks/fp8_matmul.py --sweep` tries)."""
     n, in_channels = rows.shape
@@ -58,11 +59,13 @@ def weight_matmul(
     span = triton.cdiv(triton.cdiv(in_channels, splits), tuning["BLOCK_K"]) * tuning["BLOCK_K"]  # one split's inputs
     dtype = rows.dtype if splits == 1 else torch.float32
     partial = rows.new_empty(splits, n, out_channels, dtype=dtype)
+    one = splits == 1 and bias is not None  # the kernel adds the bias; with splits, the sum of the parts does
     grid = (triton.cdiv(out_channels, block_n), splits)
     _weight_matmul[grid](
         rows,
         data,
         data if scale is None else scale,  # unread without a scale
+        bias if one else data,  # unread without
         partial,
         n,
         out_channels,
@@ -72,11 +75,15 @@ def weight_matmul(
         data.stride(0),
         PRECISION="ieee" if rows.dtype == torch.float32 else None,  # float32 without TF32's rounding
         SCALED=scale is not None,
+        BIASED=one,
         BLOCK_N=block_n,
         ROWS=ROWS,
         **tuning,
     )
-    return partial[0] if splits == 1 else partial.sum(0).to(rows.dtype)
+    if splits == 1:
+        return partial[0]
+    total = partial.sum(0)
+    return (total if bias is None else total + bias.float()).to(rows.dtype)
 
 
 @triton.jit
@@ -84,6 +91,7 @@ def _weight_matmul(
     rows_ptr,
     data_ptr,
     scale_ptr,
+    bias_ptr,
     out_ptr,
     n,
     out_channels,
@@ -93,12 +101,14 @@ def _weight_matmul(
     data_stride,
     PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
+    BIASED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     """Program (j, s): output channels `j * BLOCK_N` on, input channels `s * span` to `(s + 1) * span`; writes
-    `[n, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled where `SCALED`."""
+    `[n, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled where `SCALED`, the bias added where
+    `BIASED` (one split)."""
     block, split = tl.program_id(0), tl.program_id(1)
     row = tl.arange(0, ROWS)
     channel = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,5 +123,7 @@ def _weight_matmul(
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
     if SCALED:
         acc *= tl.load(scale_ptr + channel, channel < out_channels, 0.0)[None, :]
+    if BIASED:
+        acc += tl.load(bias_ptr + channel, channel < out_channels, 0.0).to(tl.float32)[None, :]
     out = out_ptr + split * n * out_channels + row[:, None] * out_channels + channel[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), (row[:, None] < n) & (channel[None, :] < out_channels))

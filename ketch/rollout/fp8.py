@@ -83,8 +83,7 @@ def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = N
     same arithmetic in float32."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= FEW_ROWS:
-        out = fp8_weight_matmul(rows, weight.data, weight.scale)
-        out = out if bias is None else out + bias
+        out = fp8_weight_matmul(rows, weight.data, weight.scale, bias)
     elif x.is_cuda:
         quantized = quantize_per_channel(rows)
         scale_b = weight.scale.view(1, -1)
@@ -100,22 +99,25 @@ FEW_ROWS = 16
 
 
 @torch.library.custom_op("ketch::fp8_weight_matmul", mutates_args=())
-def fp8_weight_matmul(rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`rows @ (data * scale).T`: `rows` `[n, in]`, `data` `[out, in]` e4m3, `scale` `[out, 1]` -> `[n, out]` in
-    `rows`' dtype (on CUDA the Triton kernel of `few_rows_kernel.py`; elsewhere in float32). An op of its own, so that
-    compiled blocks and CUDA graphs hold it as one call."""
-    return nn.functional.linear(rows.float(), dequantize(FP8Weight(data, scale))).to(rows.dtype)
+def fp8_weight_matmul(
+    rows: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`rows @ (data * scale).T + bias`: `rows` `[n, in]`, `data` `[out, in]` e4m3, `scale` `[out, 1]`, `bias` `[out]`
+    or None -> `[n, out]` in `rows`' dtype, rounded once (on CUDA the Triton kernel of `few_rows_kernel.py`;
+    elsewhere in float32). An op of its own, so that compiled blocks and CUDA graphs hold it as one call."""
+    bias = None if bias is None else bias.float()
+    return nn.functional.linear(rows.float(), dequantize(FP8Weight(data, scale)), bias).to(rows.dtype)
 
 
 @fp8_weight_matmul.register_kernel("cuda")
-def _fp8_weight_matmul_cuda(rows, data, scale):
+def _fp8_weight_matmul_cuda(rows, data, scale, bias):
     from ketch.rollout.few_rows_kernel import weight_matmul
 
-    return weight_matmul(rows.contiguous(), data, scale)
+    return weight_matmul(rows.contiguous(), data, scale, bias)
 
 
 @fp8_weight_matmul.register_fake
-def _fp8_weight_matmul_fake(rows, data, scale):
+def _fp8_weight_matmul_fake(rows, data, scale, bias):
     return rows.new_empty(rows.shape[0], data.shape[0])
 
 
