@@ -237,7 +237,7 @@ def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
     """Microseconds of one layer's decode attention of `rows` rows at `length` slots of context (the model's heads,
     bf16), each call on its own copy of the cache: the kernel as the decoder runs it (split over the cache), in one
     chunk per (row, key/value head), at each split count that fits (`split_sweep_us`), with the merge loading 16 to
-    128 splits at a time where it has more than `MERGE_BLOCK` (`merge_block_us`), and SDPA over a contiguous cache
+    128 splits at a time where it has more than 16 (`merge_block_us`), and SDPA over a contiguous cache
     (no mask, GQA: its flash kernel), against the floor of reading the keys and values once at `bandwidth`; with
     the split kernel's largest difference from float32 SDPA."""
     from ketch.rollout.decode_kernel import MERGE_BLOCK, MIN_SPLIT_SLOTS, decode_attention, sm_count, split_count
@@ -277,7 +277,7 @@ def attention_floor(rows: int, length: int, bandwidth: float) -> dict:
     record |= {f"{name}_us": round(us, 2) for name, us in times.items()}
     counts = [n for n in (8, 16, 32, 64, 128, 256) if n <= length // MIN_SPLIT_SLOTS]
     record["split_sweep_us"] = {n: round(cuda_seconds(kernel(n)) * 1e6, 2) for n in counts}
-    if record["splits"] > MERGE_BLOCK:  # the merge loads more than one block of splits
+    if record["splits"] > 16:  # the merge loads more than one block of the smallest size
         blocks = (16, 32, 64, 128)
         record["merge_block_us"] = {b: round(cuda_seconds(kernel(merge_block=b)) * 1e6, 2) for b in blocks}
     record |= {f"{name}_over_floor": round(us / floor_us, 2) for name, us in times.items()}

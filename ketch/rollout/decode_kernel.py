@@ -24,9 +24,12 @@ MIN_SPLIT_SLOTS = 256
 """The fewest cache slots a split is given: shorter chunks would spend more on the merge than they save."""
 PROGRAMS_PER_SM = 4
 """Programs per SM that the splits aim for: a few rows at long context fill the GPU instead of a handful of SMs."""
-MERGE_BLOCK = 16
-"""Splits `_merge` loads at a time (fewer where there are fewer): at 1 row x 32k on an H100 (128 splits, 8 loads
-deep) the merge took 5 µs a layer, a third of the attention's time; `decode_step.py --floor` times 16 to 128."""
+MERGE_BLOCK = 128
+"""Splits `_merge` loads at a time (fewer where there are fewer, or where a block would pass `MERGE_ELEMENTS`): at
+1 row x 32k on an H100 (128 splits) a layer's attention took 16.3 µs loading 16 at a time and 13.2 µs loading all
+128 (1.91x the memory floor), at 4 rows 36.2 against 33.6 µs (`decode_step.py --floor`, 2026-12-07)."""
+MERGE_ELEMENTS = 8192
+"""The most split outputs' numbers one merge load holds (128 splits of a head size of 64, as measured)."""
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -111,7 +114,12 @@ def decode_attention(
         return out
     merged = torch.empty_like(query)
     pad = triton.next_power_of_2(splits)
-    heads = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": sizes["DIM_PAD"], "SPLIT_BLOCK": min(pad, merge_block)}
+    heads = {
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "DIM_PAD": sizes["DIM_PAD"],
+        "SPLIT_BLOCK": min(pad, merge_block, MERGE_ELEMENTS // sizes["DIM_PAD"]),
+    }
     _merge[(rows, kv_heads, group)](out, lse, merged, SPLITS=splits, SPLITS_PAD=pad, **heads)
     return merged
 
