@@ -191,6 +191,14 @@ def test_settings_it_cannot_hold_with_are_refused(setting, why):
     ) in str(refused.value)
 
 
+def test_it_recomputes_the_layers_in_the_backward_unless_told_otherwise():
+    """Its attention keeps whole score matrices for the backward: recomputing each layer frees them."""
+    assert load_config(overrides=["rollout.exact_log_probs=true"]).model.gradient_checkpointing is True
+    kept = load_config(overrides=["rollout.exact_log_probs=true", "model.gradient_checkpointing=false"])
+    assert kept.model.gradient_checkpointing is False
+    assert load_config(overrides=[]).model.gradient_checkpointing is False
+
+
 def test_it_skips_the_pass_that_rollout_is_needs():
     with pytest.raises(ConfigError, match=r"rollout.exact_log_probs=true skips .* which actor.rollout_is needs"):
         load_config(overrides=["rollout.exact_log_probs=true", "actor.rollout_is=token"])

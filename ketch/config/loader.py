@@ -78,20 +78,27 @@ def load_config(
             given[path] = _get(tree, path)
     for path in given.keys() & from_file.keys():
         logger.info("%s=%r from the command line replaces %r from %s", path, given[path], from_file[path], config_path)
-    _correct_fp8_by_default(tree, given.keys() | from_file.keys())
+    _derived_defaults(tree, given.keys() | from_file.keys())
     config = _build(KetchConfig, tree, prefix="")
     validate(config)
     return config
 
 
-def _correct_fp8_by_default(tree: _Tree, set_keys: set[str]) -> None:
-    """An FP8 rollout (`rollout.quantization=fp8` or `rollout.kv_cache_dtype=fp8`) samples from FP8-rounded weights
-    or cache: where `actor.rollout_is` is not set (in `set_keys`), token-level truncated importance sampling corrects
-    the gap, said in an INFO line."""
+def _derived_defaults(tree: _Tree, set_keys: set[str]) -> None:
+    """Defaults that follow from other settings, where the key is not set (in `set_keys`), each said in an INFO line:
+    an FP8 rollout (`rollout.quantization=fp8` or `rollout.kv_cache_dtype=fp8`) samples from FP8-rounded weights or
+    cache, whose gap token-level truncated importance sampling corrects (`actor.rollout_is=token`); the exact mode
+    (`rollout.exact_log_probs=true`) keeps each layer's whole attention matrices for the backward, which recomputing
+    the layers (`model.gradient_checkpointing=true`) frees (the 0.5B shape's update ran out of 80 GB without)."""
     fp8 = "fp8" in (_get(tree, "rollout.quantization"), _get(tree, "rollout.kv_cache_dtype"))
-    if fp8 and "actor.rollout_is" not in set_keys and _get(tree, "actor.rollout_is") is None:
-        _merge(tree, _nest("actor.rollout_is", "token"), source="the FP8 rollout's default")
-        logger.info("FP8 rollout: actor.rollout_is=token corrects its gap (set actor.rollout_is to change the level)")
+    derived = {
+        "actor.rollout_is": ("token", fp8 and _get(tree, "actor.rollout_is") is None, "FP8 rollout"),
+        "model.gradient_checkpointing": (True, bool(_get(tree, "rollout.exact_log_probs")), "exact log-probs"),
+    }
+    for key, (value, applies, reason) in derived.items():
+        if applies and key not in set_keys and _get(tree, key) != value:
+            _merge(tree, _nest(key, value), source=f"the {reason}'s default")
+            logger.info("%s: %s=%s by default (set %s to change it)", reason, key, value, key)
 
 
 def _runs_builtin_task(tree: _Tree, overrides: list[str]) -> bool:
