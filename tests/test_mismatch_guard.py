@@ -90,8 +90,9 @@ def test_measure_finds_the_largest_gap_its_mean_and_its_token():
 
 
 def test_an_fp8_rollouts_gap_passes_and_the_models_own_noise_still_stops_it(tiny_model_dir):
-    """With `rollout.quantization=fp8` the rollout's gap is FP8's (0.3 here, corrected by truncated importance
-    sampling): only the training forward against its eval mode counts, in bf16 within (0.5, 0.01)."""
+    """With `rollout.quantization=fp8` (or an FP8 KV cache) the rollout's gap is FP8's (0.3 here, corrected by
+    truncated importance sampling): only the training forward against its eval mode counts, in bf16 within (0.5,
+    0.01)."""
     from ketch.config import load_config
 
     overrides = [
@@ -106,7 +107,12 @@ def test_an_fp8_rollouts_gap_passes_and_the_models_own_noise_still_stops_it(tiny
     batch = DataProto.from_single_dict({"rollout_log_probs": rollout, "response_mask": torch.ones(2, 2)})
     forwards = DataProto.from_single_dict({"train_log_prob": train, "eval_log_prob": train})
     forwards.meta_info["fast_paths"] = ["the static decoder"]
-    assert verdict(batch, forwards, "Qwen2ForCausalLM", fp8) == (measure(train, train, train, torch.ones(2, 2)), None)
+    cache = load_config(overrides=[*overrides[:1], "rollout.kv_cache_dtype=fp8", *overrides[2:]])
+    for config in (fp8, cache):
+        assert verdict(batch, forwards, "Qwen2ForCausalLM", config) == (
+            measure(train, train, train, torch.ones(2, 2)),
+            None,
+        )
     mismatch, message = verdict(batch, forwards, "Qwen2ForCausalLM", plain)
     assert mismatch.mean == pytest.approx(0.0875) and message.startswith("the rollout's probabilities")
     noisy = DataProto.from_single_dict({"train_log_prob": train, "eval_log_prob": rollout})

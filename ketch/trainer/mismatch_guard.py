@@ -71,11 +71,18 @@ def measure_forwards(batch: DataProto, forwards: DataProto, fp8: bool = False) -
 def verdict(batch: DataProto, forwards: DataProto, family: str, config: KetchConfig) -> tuple[Mismatch, str | None]:
     """The first step's mismatch of `batch` with the actor's `forwards`, and the message the run stops with (None
     within the rounding of the run's dtype)."""
-    fp8, dtype = config.rollout.quantization == "fp8", compute_dtype(config)
-    mismatch = measure_forwards(batch, forwards, fp8)
+    fp8, dtype = fp8_setting(config), compute_dtype(config)
+    mismatch = measure_forwards(batch, forwards, fp8 is not None)
     if not beyond_rounding(mismatch, dtype):
         return mismatch, None
     return mismatch, describe(mismatch, family, forwards.meta_info["fast_paths"], dtype, fp8)
+
+
+def fp8_setting(config: KetchConfig) -> str | None:
+    """The setting by which the rollout samples from FP8-rounded weights or keys and values, or None."""
+    r = config.rollout
+    settings = {"rollout.quantization=fp8": r.quantization, "rollout.kv_cache_dtype=fp8": r.kv_cache_dtype}
+    return next((key for key, value in settings.items() if value == "fp8"), None)
 
 
 def beyond_rounding(mismatch: Mismatch, dtype: torch.dtype) -> bool:
@@ -84,17 +91,13 @@ def beyond_rounding(mismatch: Mismatch, dtype: torch.dtype) -> bool:
     return mismatch.largest > largest or mismatch.mean > mean
 
 
-def describe(mismatch: Mismatch, family: str, fast_paths: list[str], dtype: torch.dtype, fp8: bool = False) -> str:
+def describe(mismatch: Mismatch, family: str, fast_paths: list[str], dtype: torch.dtype, fp8: str | None = None) -> str:
     """One message: the family, the gap against the dtype's tolerance, the token, and which side differs (`fast_paths`:
-    ketch's own code paths that computed the two sides, keys of `PLAIN`; with an FP8 rollout, `fp8`, the gap is the
-    training forward's against its eval mode: the model itself)."""
+    ketch's own code paths that computed the two sides, keys of `PLAIN`; with an FP8 rollout, `fp8` its setting,
+    the gap is the training forward's against its eval mode: the model itself)."""
     m, (largest, mean) = mismatch, TOLERANCE.get(dtype, TOLERANCE[torch.bfloat16])
     name, side = str(dtype).removeprefix("torch."), MODEL_ITSELF if fp8 else _side(mismatch, fast_paths, largest)
-    lead = (
-        "with rollout.quantization=fp8 (whose gap actor.rollout_is corrects) the eval mode's"
-        if fp8
-        else "the rollout's"
-    )
+    lead = f"with {fp8} (whose gap actor.rollout_is corrects) the eval mode's" if fp8 else "the rollout's"
     probabilities = ("" if fp8 else f"rollout {m.rollout:.4f}, ") + f"training forward {m.train:.4f}"
     return (
         f"{lead} probabilities of the sampled tokens differ from the training forward's at the first step: "
