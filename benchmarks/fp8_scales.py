@@ -1,0 +1,81 @@
+"""FP8 weight scales on a real model: how far the next-token distributions move when the decoder blocks' projections
+are rounded to float8 e4m3 with one scale per output channel (what `rollout.quantization=fp8` decodes with), per
+128 x 128 block, or per group of 128 or 64 inputs of a channel (issue 53: "say which, measured").
+
+    PYTHONPATH=. python3 benchmarks/fp8_scales.py --model DIR [--out FILE]
+
+`--model` is a Hugging Face directory (e.g. SmolLM2-135M-Instruct from `ketch convert-gguf`). In float32 on the CPU,
+teacher-forced over 8 prompts of `lora_learning.py`'s sums task with an answer: for each scheme, the mean KL
+divergence of the rounded model's next-token distribution from the model's (nats a token) and the share of tokens
+whose most likely next token stays the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ketch.rollout.fp8 import PROJECTIONS, dequantize, quantize_blocks, quantize_per_channel
+
+SUMS = [(3, 17), (12, 9), (20, 20), (7, 14), (1, 19), (15, 6), (11, 11), (2, 8)]
+
+
+def grouped(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """`weight` `[out, in]` rounded to e4m3 with one scale per `group` inputs of each output channel (per channel
+    where `in` is not a multiple of `group`), back in float32."""
+    out, inputs = weight.shape
+    if inputs % group:
+        return dequantize(quantize_per_channel(weight))
+    parts = weight.view(out, inputs // group, group)
+    scale = parts.abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return ((parts / scale).to(torch.float8_e4m3fn).float() * scale).view(out, inputs)
+
+
+SCHEMES = {
+    "per_channel": lambda w: dequantize(quantize_per_channel(w)),
+    "block_128x128": lambda w: dequantize(quantize_blocks(w)),
+    "group_1x128": lambda w: grouped(w, 128),
+    "group_1x64": lambda w: grouped(w, 64),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}], tokenize=False,
+                                      add_generation_prompt=True) + f"{a} + {b} = {a + b}"
+        for a, b in SUMS
+    ]  # fmt: skip
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    real = batch["attention_mask"].bool()
+    projections = {n: p for n, p in model.named_parameters() if n.rsplit(".", 2)[-2] in PROJECTIONS and p.dim() == 2}
+    kept = {name: weight.detach().clone() for name, weight in projections.items()}
+    with torch.no_grad():
+        reference = model(**batch).logits.log_softmax(-1)
+        result = {"model": args.model, "tokens": int(real.sum()), "projections": len(projections), "schemes": {}}
+        for scheme, rounded in SCHEMES.items():
+            for name, weight in projections.items():
+                weight.copy_(rounded(kept[name]))
+            log_probs = model(**batch).logits.log_softmax(-1)
+            kl = (reference.exp() * (reference - log_probs)).sum(-1)[real].mean().item()
+            same = (reference.argmax(-1) == log_probs.argmax(-1))[real].float().mean().item()
+            result["schemes"][scheme] = {"kl_nats_per_token": round(kl, 4), "same_top_token": round(same, 4)}
+            print(scheme, result["schemes"][scheme], flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
