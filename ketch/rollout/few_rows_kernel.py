@@ -59,13 +59,13 @@ def weight_matmul(
     span = triton.cdiv(triton.cdiv(in_channels, splits), tuning["BLOCK_K"]) * tuning["BLOCK_K"]  # one split's inputs
     dtype = rows.dtype if splits == 1 else torch.float32
     partial = rows.new_empty(splits, n, out_channels, dtype=dtype)
-    one = splits == 1 and bias is not None  # the kernel adds the bias; with splits, the sum of the parts does
+    in_kernel = splits == 1 and bias is not None  # the kernel adds the bias; with splits, the sum of the parts does
     grid = (triton.cdiv(out_channels, block_n), splits)
     _weight_matmul[grid](
         rows,
         data,
         data if scale is None else scale,  # unread without a scale
-        bias if one else data,  # unread without
+        bias if in_kernel else data,  # unread without
         partial,
         n,
         out_channels,
@@ -75,7 +75,7 @@ def weight_matmul(
         data.stride(0),
         PRECISION="ieee" if rows.dtype == torch.float32 else None,  # float32 without TF32's rounding
         SCALED=scale is not None,
-        BIASED=one,
+        BIASED=in_kernel,
         BLOCK_N=block_n,
         ROWS=ROWS,
         **tuning,
