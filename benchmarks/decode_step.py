@@ -10,7 +10,8 @@ sampling from the `[rows, vocab]` logits as compiled torch against ketch's Trito
 Triton kernels' launch settings (attention blocks, warps and stages; the sampler's chunk size). Strong scaling
 over data-parallel GPUs needs a decode step that shrinks with its rows; this shows which kernels do not.
 `--model` decodes another shape (`MODELS`; `--layers N` keeps N of its layers), `--unfused` keeps the layers' own
-projections, `--fp8` runs them in FP8 (`rollout.quantization=fp8`), and `--moe-loops` keeps a mixture's experts as
+projections, `--fp8` runs them in FP8 (`rollout.quantization=fp8`), `--kv-fp8` keeps the KV cache in FP8
+(`rollout.kv_cache_dtype=fp8`), and `--moe-loops` keeps a mixture's experts as
 transformers computes them (no CUDA graphs: the decoding before `rollout/moe_decode.py`).
 `--long-tail N` also decodes responses whose lengths spread up to N tokens (`rl_step.py --workload variable`'s
 stop tokens), the whole batch to its longest row against the unfinished rows compacted into smaller shapes, and
@@ -389,6 +390,7 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, default="qwen2.5-0.5b")
     parser.add_argument("--layers", type=int, help="this many decoder layers instead of the shape's own")
     parser.add_argument("--fp8", action="store_true", help="the projections in FP8 (rollout.quantization=fp8)")
+    parser.add_argument("--kv-fp8", action="store_true", help="the KV cache in FP8 (rollout.kv_cache_dtype=fp8)")
     parser.add_argument(
         "--moe-loops", action="store_true", help="transformers' own experts (not fixed-shape), so no CUDA graphs"
     )
@@ -409,11 +411,18 @@ def main() -> None:
     if args.moe_loops:
         moe_decode.EXPERTS.clear()
     model = benchmark_model(args.model, args.layers)
-    decoder = StaticDecoder(model, compile_step=True, longest_prompt=S["prompt_len"])
+    kv_dtype = torch.float8_e4m3fn if args.kv_fp8 else None
+    decoder = StaticDecoder(model, compile_step=True, longest_prompt=S["prompt_len"], kv_dtype=kv_dtype)
     if args.fp8:
         FP8Projections(decoder.blocks)
     results = {"scale": args.model, "layers": model.config.num_hidden_layers, "unfused": args.unfused}
-    results |= {"fp8": args.fp8, "moe_loops": args.moe_loops, "device": torch.cuda.get_device_name(), "by_rows": []}
+    results |= {
+        "fp8": args.fp8,
+        "kv_fp8": args.kv_fp8,
+        "moe_loops": args.moe_loops,
+        "device": torch.cuda.get_device_name(),
+        "by_rows": [],
+    }
     if args.floor:
         bandwidth = copy_bandwidth()
         results |= {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor": []}

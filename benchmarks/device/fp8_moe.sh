@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device command for FP8 rollout (issue 53) and MoE decoding under CUDA graphs (issue 52): the GPU tests of both
 # (FP8 matmuls; the MoE families' matrix rows), then `decode_step.py` of the Qwen2.5-7B shape in bf16 against FP8
-# (whole generations of 4 and 64 rows, one captured step of 4 rows at 8k of context), then Qwen3-30B-A3B's shape
+# (whole generations of 4 and 64 rows, one captured step of 4 rows at 8k of context; FP8 also with an FP8 KV cache),
+# then Qwen3-30B-A3B's shape
 # (LAYERS of its 48 layers) with fixed-shape experts in CUDA graphs against transformers' experts without graphs.
 # Stage a3b: a GRPO step of that shape (LAYERS layers: the machine's 64 GB disk does not hold all 48 in bf16) with
 # LoRA on the attention projections and routing replay (R3), the rollout reading the frozen experts in place.
@@ -21,9 +22,10 @@ if [[ $STAGES == *matmul* ]]; then  # each projection of the three shapes: bf16,
     stage fp8_matmul 150 python3 benchmarks/fp8_matmul.py --rows 1 4 16 64 --out "$OUT/fp8_matmul.json"
 fi
 if [[ $STAGES == *fp8* ]]; then
-    for flag in "" --fp8; do
-        stage "7b$flag" 240 python3 benchmarks/decode_step.py --model qwen2.5-7b --rows 4 64 --steps 2 \
-            --long-step 8192 $flag --out "$OUT/decode_7b${flag/--/_}.json"
+    for flag in "" --fp8 "--fp8 --kv-fp8"; do
+        name=7b$(echo "$flag" | tr -d ' -' | sed 's/^./_&/')  # 7b, 7b_fp8, 7b_fp8kvfp8
+        stage "$name" 240 python3 benchmarks/decode_step.py --model qwen2.5-7b --rows 4 64 --steps 2 \
+            --long-step 8192 $flag --out "$OUT/decode_$name.json"
     done
 fi
 if [[ $STAGES == *moe* ]]; then
