@@ -2,7 +2,7 @@
 
 For each projection of the Qwen2.5 0.5B, 1.5B and 7B shapes (the fused q/k/v and gate/up, o and down) and each
 `--rows`: cuBLAS in bf16 (`F.linear`), `torch._scaled_mm` on activations quantized per token (FP8 rollout's matmul
-for more than 16 rows), and the few-rows kernel of `ketch/rollout/few_rows_kernel.py` (up to 16 rows) on the FP8
+for more than 16 rows), and the few-rows kernel of `ketch/rollout/few_rows_kernel.py` (up to 64 rows) on the FP8
 weights (`kernel_us`, FP8 rollout's few-row steps) and on the bf16 ones (`kernel_bf16_us`, against cuBLAS), each
 captured in a CUDA graph that cycles through enough copies of the weight that the L2 cache holds none of them. The
 floor is the weight's bytes over the GPU's copy bandwidth. `--sweep` also times the kernel's launch settings at 4 rows.
@@ -23,7 +23,7 @@ from decode_step import cuda_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ketch.rollout.few_rows_kernel import launch, weight_matmul
+from ketch.rollout.few_rows_kernel import ROWS, launch, weight_matmul
 from ketch.rollout.fp8 import quantize_per_channel
 
 SHAPES = {  # (hidden, intermediate, heads x head size, kv heads x head size)
@@ -57,15 +57,15 @@ def time_projection(out: int, inputs: int, rows: int, bandwidth: float, sweep: b
         "rows": rows,
         "launch": launch(out, inputs, torch.cuda.get_device_properties(0).multi_processor_count),
         "bf16_us": timed([lambda w=w: torch.nn.functional.linear(x, w) for w in weights]),
-        "kernel_us": timed([lambda w=w: weight_matmul(x, w.data, w.scale) for w in fp8]) if rows <= 16 else None,
-        "kernel_bf16_us": timed([lambda w=w: weight_matmul(x, w) for w in weights]) if rows <= 16 else None,
+        "kernel_us": timed([lambda w=w: weight_matmul(x, w.data, w.scale) for w in fp8]) if rows <= ROWS else None,
+        "kernel_bf16_us": timed([lambda w=w: weight_matmul(x, w) for w in weights]) if rows <= ROWS else None,
         "scaled_mm_us": timed([lambda w=w: _scaled(x, w) for w in fp8]),
         "floor_bf16_us": 1e6 * out * inputs * 2 / bandwidth,
         "floor_fp8_us": 1e6 * out * inputs / bandwidth,
     }
     expected = torch.nn.functional.linear(x.float(), fp8[0].data.float() * fp8[0].scale)
     record["kernel_max_diff"] = (
-        (weight_matmul(x, fp8[0].data, fp8[0].scale).float() - expected).abs().max().item() if rows <= 16 else None
+        (weight_matmul(x, fp8[0].data, fp8[0].scale).float() - expected).abs().max().item() if rows <= ROWS else None
     )
     if sweep and rows <= 16:
         record["sweep_us"] = sweep_launches(x, fp8)

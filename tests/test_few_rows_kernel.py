@@ -43,13 +43,17 @@ def test_the_kernel_multiplies_the_rows_by_the_dequantized_weight():
     """1, 3, 4 and 16 rows; output channels a multiple of the program's 32 and not (48: the last block masked);
     input channels a multiple of the 256 a program reads at a time and not (300). With 8 SMs, 48 output channels
     take blocks of 16; 1,024 inputs for 40 outputs are split over 4 programs whose partial sums the second pass adds.
-    Then a float32 weight, no scale (as a bf16 weight runs), in one pass and split; and a bias (of magnitude 10)
-    added in the kernel (one pass) and after the partial sums (split)."""
+    Then a float32 weight, no scale (as a bf16 weight runs), in one pass and split; a bias (of magnitude 10)
+    added in the kernel (one pass) and after the partial sums (split); and 20 and 64 rows, in tiles of 32 and 64."""
     cases = [(1, 64, 512, 1), (3, 48, 300, 8), (4, 128, 256, 1), (16, 40, 1024, 8)]
     plain = [(3, 48, 300, 8, False), (16, 40, 1024, 8, False)]
-    results = run_cases([*cases, *plain, (3, 48, 300, 8, True, True), (16, 40, 1024, 8, True, True)])
-    assert [r["launch"] for r in results] == [[32, 1], [16, 1], [32, 1], [32, 4], [16, 1], [32, 4], [16, 1], [32, 4]]
-    assert [r["shape"] for r in results] == [[1, 64], [3, 48], [4, 128], [16, 40], [3, 48], [16, 40], [3, 48], [16, 40]]
+    biased = [(3, 48, 300, 8, True, True), (16, 40, 1024, 8, True, True)]
+    wide = [(20, 48, 300, 8), (64, 40, 1024, 8, True, True)]  # tiles of 32 and 64 rows
+    results = run_cases([*cases, *plain, *biased, *wide])
+    one, split = [16, 1], [32, 4]
+    assert [r["launch"] for r in results] == [[32, 1], one, [32, 1], split, one, split, one, split, one, split]
+    shapes = [[1, 64], [3, 48], [4, 128], [16, 40], [3, 48], [16, 40], [3, 48], [16, 40], [20, 48], [64, 40]]
+    assert [r["shape"] for r in results] == shapes
     for result in results:
         assert result["dtype"] == "torch.float32"
         assert result["max_diff"] < 1e-5 * result["scale"], result

@@ -1,5 +1,5 @@
 """A Triton kernel for a weight times a few rows, the decoder's steps at the long tail of a batch (FP8 weights:
-`fp8.fp8_linear` with at most `ROWS` rows).
+`fp8.fp8_linear` with at most `fp8.FEW_ROWS` rows).
 
 At the long tail a decode step multiplies a few rows by every weight, so its time is the weights' bytes.
 `torch._scaled_mm` at 4 rows spent as long on the 7B shape's FP8 weights as cuBLAS on its bf16 ones (6.0 against
@@ -19,10 +19,13 @@ import triton.language as tl
 
 from ketch.rollout.decode_kernel import sm_count
 
-ROWS = 16
-"""The most rows the kernel takes (one tile of `tl.dot`, whose side is at least 16)."""
+ROWS = 64
+"""The most rows the kernel takes: one tile of `tl.dot` of 16, 32 or 64 rows (its side is at least 16). FP8
+rollout sends it up to `fp8.FEW_ROWS`; `benchmarks/fp8_matmul.py` times it up to 64 against `torch._scaled_mm`,
+whose per-token quantization of the activations costs about 20 µs a call on an H100 (2026-12-07)."""
 BLOCK_K = 256
-"""Input channels a program reads per iteration (a 16-channel tile of weights is 4 KiB)."""
+"""Input channels a program reads per iteration (a 16-channel tile of weights is 4 KiB), halved for each doubling
+of the rows' tile past 16 (their tile in shared memory stays 8 KiB in bf16)."""
 
 
 def launch(out_channels: int, in_channels: int, sms: int) -> tuple[int, int]:
@@ -51,9 +54,9 @@ def weight_matmul(
     n, in_channels = rows.shape
     if n > ROWS or rows.stride(-1) != 1 or data.stride(-1) != 1:
         raise ValueError(f"few-rows weight matmul: {n} rows (at most {ROWS}), each operand contiguous along its inputs")
-    out_channels = data.shape[0]
+    out_channels, tile = data.shape[0], max(16, triton.next_power_of_2(n))
     block_n, splits = launch(out_channels, in_channels, sm_count(rows) if sms is None else sms)
-    defaults = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K, "num_warps": 4, "num_stages": 4}
+    defaults = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K * 16 // tile, "num_warps": 4, "num_stages": 4}
     tuning = defaults | (tuning or {})
     block_n, splits = tuning.pop("BLOCK_N"), tuning.pop("splits")
     span = triton.cdiv(triton.cdiv(in_channels, splits), tuning["BLOCK_K"]) * tuning["BLOCK_K"]  # one split's inputs
@@ -77,7 +80,7 @@ def weight_matmul(
         SCALED=scale is not None,
         BIASED=in_kernel,
         BLOCK_N=block_n,
-        ROWS=ROWS,
+        ROWS=tile,
         **tuning,
     )
     if splits == 1:
