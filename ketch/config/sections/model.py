@@ -71,7 +71,8 @@ class ModelConfig:
     trust_remote_code: bool = False
     """Allow model code from the model directory (needed by some hub models)."""
     gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Recompute activations in the backward pass to save memory. rollout.exact_log_probs=true sets it to true where
+    it is not given (its attention keeps whole score matrices for the backward)."""
     activation_offload: bool = False
     """Keep what the training forwards (actor, critic) save for their backward pass in host memory (pinned on GPUs)
     and copy it back when the backward pass needs it. With gradient_checkpointing that is each transformer block's
