@@ -169,6 +169,15 @@ def test_partial_rollouts_refuse_what_they_cannot_continue_at_load(tiny_config, 
         tiny_config(*PARTIAL, *overrides)
 
 
+def test_partial_rollouts_correct_with_token_level_rollout_is_by_default(tiny_config):
+    """Also on the built-in run, whose `actor.old_log_prob_from_rollout=true` would skip the pass it needs."""
+    on = "rollout.partial.enable=true"
+    for config in (tiny_config("rollout.n=2", "data.train_batch_size=4", on), load_config(overrides=[on])):
+        assert (config.actor.rollout_is, config.actor.old_log_prob_from_rollout) == ("token", False)
+    kept = load_config(overrides=[on, "actor.rollout_is=sequence"])
+    assert (kept.actor.rollout_is, kept.actor.old_log_prob_from_rollout) == ("sequence", False)
+
+
 def test_the_doctor_line_says_what_partial_rollouts_bound():
     assert describe_partial_rollouts(load_config(overrides=[])).startswith("off: ")
     on = load_config(

@@ -85,18 +85,22 @@ def load_config(
 
 
 def _derived_defaults(tree: _Tree, set_keys: set[str]) -> None:
-    """Defaults that follow from other settings, where the key is not set (in `set_keys`), each said in an INFO line:
-    an FP8 rollout (`rollout.quantization=fp8` or `rollout.kv_cache_dtype=fp8`) samples from FP8-rounded weights or
-    cache, whose gap token-level truncated importance sampling corrects (`actor.rollout_is=token`); the exact mode
-    (`rollout.exact_log_probs=true`) keeps each layer's whole attention matrices for the backward, which recomputing
-    the layers (`model.gradient_checkpointing=true`) frees (the 0.5B shape's update ran out of 80 GB without)."""
+    """Defaults that follow from other settings, where the key is not set (in `set_keys`), each said in an INFO line.
+    An FP8 rollout (`rollout.quantization=fp8` or `rollout.kv_cache_dtype=fp8`) samples from FP8-rounded weights or
+    cache, and partial rollouts (`rollout.partial.enable`) train on tokens of older weights: token-level truncated
+    importance sampling corrects both (`actor.rollout_is=token`), with the old-log-prob pass it needs (the built-in
+    run's `actor.old_log_prob_from_rollout=true` turned off). The exact mode (`rollout.exact_log_probs=true`) keeps
+    each layer's whole attention matrices for the backward, which recomputing the layers frees
+    (`model.gradient_checkpointing=true`; the 0.5B shape's update ran out of 80 GB without)."""
     fp8 = "fp8" in (_get(tree, "rollout.quantization"), _get(tree, "rollout.kv_cache_dtype"))
-    derived = {
-        "actor.rollout_is": ("token", fp8 and _get(tree, "actor.rollout_is") is None, "FP8 rollout"),
-        "model.gradient_checkpointing": (True, bool(_get(tree, "rollout.exact_log_probs")), "exact log-probs"),
-    }
-    for key, (value, applies, reason) in derived.items():
-        if applies and key not in set_keys and _get(tree, key) != value:
+    off_policy = "FP8 rollout" if fp8 else "partial rollouts" if _get(tree, "rollout.partial.enable") else None
+    derived = [
+        ("actor.rollout_is", "token", lambda: off_policy and _get(tree, "actor.rollout_is") is None, off_policy),
+        ("actor.old_log_prob_from_rollout", False, lambda: off_policy and _get(tree, "actor.rollout_is"), off_policy),
+        ("model.gradient_checkpointing", True, lambda: _get(tree, "rollout.exact_log_probs"), "exact log-probs"),
+    ]
+    for key, value, applies, reason in derived:
+        if applies() and key not in set_keys and _get(tree, key) != value:
             _merge(tree, _nest(key, value), source=f"the {reason}'s default")
             logger.info("%s: %s=%s by default (set %s to change it)", reason, key, value, key)
 

@@ -78,7 +78,8 @@ class ActorConfig:
     """Truncated importance sampling against the rollout engine's own log-probs (rollout_log_probs): weight each
     token's loss by min(pi_old / pi_rollout, rollout_is_threshold) per token, or per sequence (product of the
     token ratios); None disables. Forces the old-log-prob pass (actor.recompute_old_log_prob). An FP8 rollout
-    (rollout.quantization or rollout.kv_cache_dtype fp8) sets it to token where it is not given."""
+    (rollout.quantization or rollout.kv_cache_dtype fp8) and partial rollouts set it to token where it is not
+    given."""
     rollout_is_threshold: float = 2.0
     """Upper bound of the truncated importance weights of actor.rollout_is."""
     entropy_coeff: float = 0.0
