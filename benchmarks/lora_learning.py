@@ -59,24 +59,37 @@ def curve(records: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: round(r[key], 4) for r in records if key in r and "step" in r}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def task_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a comparison of runs on the sums task: `--model`, `--out`, `--device`, `--steps` and the
+    overrides of every run; the script adds its own."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="a Hugging Face model directory")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--full-lr", type=float, default=5e-6)
-    parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--lora-lr", type=float, default=5e-5)
-    parser.add_argument("overrides", nargs="*", help="config overrides of both runs, as for ketch train")
-    args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="ketch-lora-learning-"))
-    settings = [
+    parser.add_argument("overrides", nargs="*", help="config overrides of every run, as for ketch train")
+    return parser
+
+
+def task_settings(args: argparse.Namespace, work: Path, *extra: str) -> list[str]:
+    """The settings every run of a comparison shares (`extra` among them, the command line's overrides last):
+    32 prompts x 8 samples, 48-token responses, GRPO, greedy validation every 10 steps, under `work`."""
+    return [
         "data.train_batch_size=32", "actor.ppo_mini_batch_size=32", "data.max_prompt_length=64",
-        "data.max_response_length=48", "rollout.n=8", "algorithm.adv_estimator=grpo",
+        "data.max_response_length=48", "rollout.n=8", "algorithm.adv_estimator=grpo", *extra,
         f"trainer.total_steps={args.steps}", "trainer.test_freq=10", "trainer.logger=[jsonl]",
         f"trainer.device={args.device}", f"trainer.default_local_dir={work / 'runs'}", *args.overrides,
     ]  # fmt: skip
+
+
+def main() -> None:
+    parser = task_parser(__doc__.splitlines()[0])
+    parser.add_argument("--full-lr", type=float, default=5e-6)
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--lora-lr", type=float, default=5e-5)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="ketch-lora-learning-"))
+    settings = task_settings(args, work)
     common = [f"model.path={args.model}", *write_task(work), *settings]
     rank = args.lora_rank
     lora = [f"actor.optim.lr={args.lora_lr}", f"actor.lora.rank={rank}", f"actor.lora.alpha={2 * rank}"]

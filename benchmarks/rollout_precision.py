@@ -14,7 +14,6 @@ seconds.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from default_run import emit, timed_fit
-from lora_learning import SOURCE, curve, write_task
+from lora_learning import SOURCE, curve, task_parser, task_settings, write_task
 
 from ketch.config import load_config
 
@@ -32,34 +31,28 @@ VARIANTS = {
     "exact": ["rollout.exact_log_probs=true"],
 }
 """Each run's rollout overrides; the rest of the run is the same."""
+CURVES = {
+    "score": "critic/score/mean",
+    "rollout_probs_diff_max": "training/rollout_probs_diff_max",
+    "rollout_probs_diff_mean": "training/rollout_probs_diff_mean",
+}
+"""What each run records by step, beside the validation accuracy."""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--steps", type=int, default=40)
+    parser = task_parser(__doc__.splitlines()[0])
     parser.add_argument("--lr", type=float, default=5e-6)
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}, comma-separated")
-    parser.add_argument("overrides", nargs="*", help="config overrides of every run, as for ketch train")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ketch-rollout-precision-"))
-    settings = [
-        "data.train_batch_size=32", "actor.ppo_mini_batch_size=32", "data.max_prompt_length=64",
-        "data.max_response_length=48", "rollout.n=8", "algorithm.adv_estimator=grpo", f"actor.optim.lr={args.lr}",
-        "model.dtype=bfloat16", f"trainer.total_steps={args.steps}", "trainer.test_freq=10",
-        "trainer.logger=[jsonl]", f"trainer.device={args.device}", f"trainer.default_local_dir={work / 'runs'}",
-        *args.overrides,
-    ]  # fmt: skip
+    settings = task_settings(args, work, f"actor.optim.lr={args.lr}", "model.dtype=bfloat16")
     common = [f"model.path={args.model}", *write_task(work), *settings]
     result = {"model": args.model, "device": args.device, "overrides": settings, "runs": {}}
     for name in args.variants.split(","):
         config = load_config(overrides=[*common, *VARIANTS[name], f"trainer.experiment_name={name}"])
         records, timing = timed_fit(config, "rl")
         run = {"overrides": VARIANTS[name], "val_acc": curve(records, f"val/{SOURCE}/acc")}
-        for key in ("critic/score/mean", "training/rollout_probs_diff_max", "training/rollout_probs_diff_mean"):
-            run[key.rsplit("/", 1)[-1] if key.startswith("training") else "score"] = curve(records, key)
+        run |= {field: curve(records, key) for field, key in CURVES.items()}
         result["runs"][name] = run | timing
         print(f"== {name}: validation accuracy {run['val_acc']}", flush=True)
         emit(result, args.out)  # after each run: a command cut short keeps the runs done
