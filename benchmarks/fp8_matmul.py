@@ -24,7 +24,7 @@ from decode_step import cuda_seconds
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ketch.rollout.few_rows_kernel import ROWS, launch, weight_matmul
-from ketch.rollout.fp8 import quantize_per_channel
+from ketch.rollout.fp8 import quantize_per_channel, scaled_mm_linear
 
 SHAPES = {  # (hidden, intermediate, heads x head size, kv heads x head size)
     "qwen2.5-0.5b": (896, 4864, 896, 128),
@@ -59,7 +59,7 @@ def time_projection(out: int, inputs: int, rows: int, bandwidth: float, sweep: b
         "bf16_us": timed([lambda w=w: torch.nn.functional.linear(x, w) for w in weights]),
         "kernel_us": timed([lambda w=w: weight_matmul(x, w.data, w.scale) for w in fp8]) if rows <= ROWS else None,
         "kernel_bf16_us": timed([lambda w=w: weight_matmul(x, w) for w in weights]) if rows <= ROWS else None,
-        "scaled_mm_us": timed([lambda w=w: _scaled(x, w) for w in fp8]),
+        "scaled_mm_us": timed([lambda w=w: scaled_mm_linear(x, w) for w in fp8]),
         "floor_bf16_us": 1e6 * out * inputs * 2 / bandwidth,
         "floor_fp8_us": 1e6 * out * inputs / bandwidth,
     }
@@ -75,12 +75,6 @@ def time_projection(out: int, inputs: int, rows: int, bandwidth: float, sweep: b
 def timed(fns: list) -> float:
     """Microseconds a call of the functions `fns`, each called once in turn in one CUDA graph."""
     return 1e6 * cuda_seconds(fns, calls=max(20, len(fns)))
-
-
-def _scaled(x: torch.Tensor, w) -> torch.Tensor:
-    """FP8 rollout's matmul for many rows: `x` quantized per token, `torch._scaled_mm` with row-wise scales."""
-    q = quantize_per_channel(x)
-    return torch._scaled_mm(q.data, w.data.t(), q.scale, w.scale.view(1, -1), out_dtype=x.dtype)
 
 
 def sweep_launches(x: torch.Tensor, fp8: list) -> dict[str, float]:

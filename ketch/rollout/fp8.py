@@ -78,20 +78,26 @@ def dequantize(weight: FP8Weight) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for `x` `[..., in]` and a per-channel `weight` (`[out, in]`, both sides multiples of
     16), in `x`'s dtype. Up to `FEW_ROWS` rows (a decode step at the long tail) multiply the weight unquantized
-    (`fp8_weight_matmul`); more rows are quantized to e4m3 per token for `torch._scaled_mm` on CUDA (its second
-    operand column-major: the transposed row-major data; its scales `[tokens, 1]` and `[1, out]`), elsewhere the
-    same arithmetic in float32."""
+    (`fp8_weight_matmul`); more rows are quantized to e4m3 per token for `torch._scaled_mm` on CUDA
+    (`scaled_mm_linear`), elsewhere the same arithmetic in float32."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= FEW_ROWS:
         out = fp8_weight_matmul(rows, weight.data, weight.scale, bias)
     elif x.is_cuda:
-        quantized = quantize_per_channel(rows)
-        scale_b = weight.scale.view(1, -1)
-        out = torch._scaled_mm(quantized.data, weight.data.t(), quantized.scale, scale_b, bias=bias, out_dtype=x.dtype)
+        out = scaled_mm_linear(rows, weight, bias)
     else:
         bias = None if bias is None else bias.float()
         out = nn.functional.linear(dequantize(quantize_per_channel(rows)), dequantize(weight), bias)
     return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def scaled_mm_linear(rows: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`rows @ weight.T + bias` on CUDA, `rows` `[n, in]` quantized to e4m3 per token for `torch._scaled_mm` (its
+    second operand column-major: the transposed row-major data; its scales `[n, 1]` and `[1, out]`), in `rows`'
+    dtype."""
+    quantized = quantize_per_channel(rows)
+    scale_b = weight.scale.view(1, -1)
+    return torch._scaled_mm(quantized.data, weight.data.t(), quantized.scale, scale_b, bias=bias, out_dtype=rows.dtype)
 
 
 FEW_ROWS = 16
