@@ -23,7 +23,7 @@ from decode_step import cuda_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ketch.rollout.few_rows_kernel import ROWS, launch, weight_matmul
+from ketch.rollout.few_rows_kernel import launch, weight_matmul
 from ketch.rollout.fp8 import quantize_per_channel, scaled_mm_linear
 
 SHAPES = {  # (hidden, intermediate, heads x head size, kv heads x head size)
@@ -57,16 +57,14 @@ def time_projection(out: int, inputs: int, rows: int, bandwidth: float, sweep: b
         "rows": rows,
         "launch": launch(out, inputs, torch.cuda.get_device_properties(0).multi_processor_count),
         "bf16_us": timed([lambda w=w: torch.nn.functional.linear(x, w) for w in weights]),
-        "kernel_us": timed([lambda w=w: weight_matmul(x, w.data, w.scale) for w in fp8]) if rows <= ROWS else None,
-        "kernel_bf16_us": timed([lambda w=w: weight_matmul(x, w) for w in weights]) if rows <= ROWS else None,
+        "kernel_us": timed([lambda w=w: weight_matmul(x, w.data, w.scale) for w in fp8]),
+        "kernel_bf16_us": timed([lambda w=w: weight_matmul(x, w) for w in weights]),
         "scaled_mm_us": timed([lambda w=w: scaled_mm_linear(x, w) for w in fp8]),
         "floor_bf16_us": 1e6 * out * inputs * 2 / bandwidth,
         "floor_fp8_us": 1e6 * out * inputs / bandwidth,
     }
     expected = torch.nn.functional.linear(x.float(), fp8[0].data.float() * fp8[0].scale)
-    record["kernel_max_diff"] = (
-        (weight_matmul(x, fp8[0].data, fp8[0].scale).float() - expected).abs().max().item() if rows <= ROWS else None
-    )
+    record["kernel_max_diff"] = (weight_matmul(x, fp8[0].data, fp8[0].scale).float() - expected).abs().max().item()
     if sweep and rows <= 16:
         record["sweep_us"] = sweep_launches(x, fp8)
     return {k: round(v, 2) if isinstance(v, float) else v for k, v in record.items()}

@@ -44,15 +44,17 @@ def test_the_kernel_multiplies_the_rows_by_the_dequantized_weight():
     input channels a multiple of the 256 a program reads at a time and not (300). With 8 SMs, 48 output channels
     take blocks of 16; 1,024 inputs for 40 outputs are split over 4 programs whose partial sums the second pass adds.
     Then a float32 weight, no scale (as a bf16 weight runs), in one pass and split; a bias (of magnitude 10)
-    added in the kernel (one pass) and after the partial sums (split); and 20 and 64 rows, in tiles of 32 and 64."""
+    added in the kernel (one pass) and after the partial sums (split); and 20, 64 and 150 rows, in tiles of 32, 64
+    and three programs of 64 rows (the last masked), with a bias."""
     cases = [(1, 64, 512, 1), (3, 48, 300, 8), (4, 128, 256, 1), (16, 40, 1024, 8)]
     plain = [(3, 48, 300, 8, False), (16, 40, 1024, 8, False)]
     biased = [(3, 48, 300, 8, True, True), (16, 40, 1024, 8, True, True)]
-    wide = [(20, 48, 300, 8), (64, 40, 1024, 8, True, True)]  # tiles of 32 and 64 rows
+    wide = [(20, 48, 300, 8), (64, 40, 1024, 8, True, True), (150, 48, 300, 8, True, True)]  # tiles of 32, 64, 3 x 64
     results = run_cases([*cases, *plain, *biased, *wide])
     one, split = [16, 1], [32, 4]
-    assert [r["launch"] for r in results] == [[32, 1], one, [32, 1], split, one, split, one, split, one, split]
-    shapes = [[1, 64], [3, 48], [4, 128], [16, 40], [3, 48], [16, 40], [3, 48], [16, 40], [20, 48], [64, 40]]
+    launches = [[32, 1], one, [32, 1], split, one, split, one, split, one, split, one]
+    assert [r["launch"] for r in results] == launches
+    shapes = [[1, 64], [3, 48], [4, 128], [16, 40], [3, 48], [16, 40], [3, 48], [16, 40], [20, 48], [64, 40], [150, 48]]
     assert [r["shape"] for r in results] == shapes
     for result in results:
         assert result["dtype"] == "torch.float32"

@@ -19,7 +19,7 @@ if [[ $STAGES == *tests* ]]; then
         -p no:cacheprovider -k "fp8 or qwen3_moe or mixtral or deepseek_v3 or olmoe"
 fi
 if [[ $STAGES == *matmul* ]]; then  # each projection of the three shapes: bf16, _scaled_mm, the FP8 weight kernel
-    stage fp8_matmul 150 python3 benchmarks/fp8_matmul.py --rows 1 4 16 32 64 --out "$OUT/fp8_matmul.json"
+    stage fp8_matmul 150 python3 benchmarks/fp8_matmul.py --rows 1 4 16 64 128 256 --out "$OUT/fp8_matmul.json"
 fi
 if [[ $STAGES == *fp8* ]]; then
     for flag in "" --fp8 "--fp8 --kv-fp8"; do

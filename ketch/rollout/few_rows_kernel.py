@@ -1,5 +1,5 @@
-"""A Triton kernel for a weight times a few rows, the decoder's steps at the long tail of a batch (FP8 weights:
-`fp8.fp8_linear` with at most `fp8.FEW_ROWS` rows).
+"""A Triton kernel for a weight times the rows of a decode step, few at the long tail of a batch (FP8 weights:
+`fp8.fp8_linear` with at most `fp8.WEIGHT_ONLY_ROWS` rows).
 
 At the long tail a decode step multiplies a few rows by every weight, so its time is the weights' bytes.
 `torch._scaled_mm` at 4 rows spent as long on the 7B shape's FP8 weights as cuBLAS on its bf16 ones (6.0 against
@@ -7,8 +7,8 @@ At the long tail a decode step multiplies a few rows by every weight, so its tim
 2 MB take under 1 µs to read. This kernel reads the weight `[out, in]` in its own dtype (e4m3 bytes, or bf16),
 converts each tile to the activations' dtype in registers and multiplies it with the rows, accumulating in
 float32; a per-output-channel scale and a bias, where given, are applied once at the end. Programs take `BLOCK_N`
-output channels each; a weight much wider in its inputs has each channel's inputs split over programs whose
-partial sums a second pass adds (`launch`).
+output channels of a tile of at most `ROWS` rows each; a weight much wider in its inputs has each channel's inputs
+split over programs whose partial sums a second pass adds (`launch`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import triton.language as tl
 from ketch.rollout.decode_kernel import sm_count
 
 ROWS = 64
-"""The most rows the kernel takes: one tile of `tl.dot` of 16, 32 or 64 rows (its side is at least 16). FP8
-rollout sends it up to `fp8.FEW_ROWS`; `benchmarks/fp8_matmul.py` times it up to 64 against `torch._scaled_mm`,
+"""The most rows a program takes: one tile of `tl.dot` of 16, 32 or 64 rows (its side is at least 16); more rows
+are tiles of 64 in programs of their own. `benchmarks/fp8_matmul.py` times the kernel against `torch._scaled_mm`,
 whose per-token quantization of the activations costs about 20 µs a call on an H100 (2026-12-07)."""
 BLOCK_K = 256
 """Input channels a program reads per iteration (a 16-channel tile of weights is 4 KiB), halved for each doubling
@@ -46,15 +46,15 @@ def weight_matmul(
     sms: int | None = None,
     tuning: dict | None = None,
 ) -> torch.Tensor:
-    """`rows @ (data * scale).T + bias`: `rows` `[n, in]` (n <= `ROWS`), `data` `[out, in]` (float8 e4m3, or the
+    """`rows @ (data * scale).T + bias`: `rows` `[n, in]`, `data` `[out, in]` (float8 e4m3, or the
     rows' dtype), `scale` `[out, 1]` float32 or None (1), `bias` `[out]` or None -> `[n, out]` in `rows`' dtype, the
     bias added in float32 before the one rounding. `sms` overrides the SM count
     (CPU tensors, under Triton's interpreter, count as one SM); `tuning` the launch (`BLOCK_N`, `splits`,
     `BLOCK_K`, `num_warps`, `num_stages`: what `benchmarks/fp8_matmul.py --sweep` tries)."""
     n, in_channels = rows.shape
-    if n > ROWS or rows.stride(-1) != 1 or data.stride(-1) != 1:
-        raise ValueError(f"few-rows weight matmul: {n} rows (at most {ROWS}), each operand contiguous along its inputs")
-    out_channels, tile = data.shape[0], max(16, triton.next_power_of_2(n))
+    if rows.stride(-1) != 1 or data.stride(-1) != 1:
+        raise ValueError("weight matmul: each operand must be contiguous along its inputs")
+    out_channels, tile = data.shape[0], min(ROWS, max(16, triton.next_power_of_2(n)))
     block_n, splits = launch(out_channels, in_channels, sm_count(rows) if sms is None else sms)
     defaults = {"BLOCK_N": block_n, "splits": splits, "BLOCK_K": BLOCK_K * 16 // tile, "num_warps": 4, "num_stages": 4}
     tuning = defaults | (tuning or {})
@@ -63,7 +63,7 @@ def weight_matmul(
     dtype = rows.dtype if splits == 1 else torch.float32
     partial = rows.new_empty(splits, n, out_channels, dtype=dtype)
     in_kernel = splits == 1 and bias is not None  # the kernel adds the bias; with splits, the sum of the parts does
-    grid = (triton.cdiv(out_channels, block_n), splits)
+    grid = (triton.cdiv(out_channels, block_n), splits, triton.cdiv(n, tile))
     _weight_matmul[grid](
         rows,
         data,
@@ -109,11 +109,11 @@ def _weight_matmul(
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Program (j, s): output channels `j * BLOCK_N` on, input channels `s * span` to `(s + 1) * span`; writes
-    `[n, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled where `SCALED`, the bias added where
-    `BIASED` (one split)."""
+    """Program (j, s, m): output channels `j * BLOCK_N` on, input channels `s * span` to `(s + 1) * span`, rows
+    `m * ROWS` on; writes `[ROWS, BLOCK_N]` of the partial sums `[splits, n, out_channels]`, scaled where `SCALED`,
+    the bias added where `BIASED` (one split)."""
     block, split = tl.program_id(0), tl.program_id(1)
-    row = tl.arange(0, ROWS)
+    row = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     channel = block * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for start in range(split * span, tl.minimum((split + 1) * span, in_channels), BLOCK_K):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ketch.rollout.fp8 import FEW_ROWS, FP8Projections, dequantize, fp8_linear, quantize_per_channel
+from ketch.rollout.fp8 import WEIGHT_ONLY_ROWS, FP8Projections, dequantize, fp8_linear, quantize_per_channel
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
 
@@ -16,17 +16,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 16, 17, 37])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 37, 150, 256, 257])
 def test_fp8_linear_equals_the_float32_arithmetic_of_its_operands(tokens):
-    """Up to 16 rows the FP8 weights multiply the rows unquantized (the Triton kernel of `few_rows_kernel.py`); more
-    rows are quantized per token for `torch._scaled_mm`. Each equals the float32 arithmetic of the same operands and
-    scales as the CPU reference, bf16 output rounding apart (relative 2^-8)."""
+    """Up to 256 rows the FP8 weights multiply the rows unquantized (the Triton kernel of `few_rows_kernel.py`, in
+    tiles of up to 64 rows); more rows are quantized per token for `torch._scaled_mm`. Each equals the float32
+    arithmetic of the same operands and scales as the CPU reference, bf16 output rounding apart (relative 2^-8)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, 512, device="cuda", generator=g).bfloat16()
     weight = quantize_per_channel(torch.randn(384, 512, device="cuda", generator=g) * 0.02)
     bias = torch.randn(384, device="cuda", generator=g).bfloat16()
     out = fp8_linear(x, weight, bias)
-    rows = x.float() if tokens <= FEW_ROWS else dequantize(quantize_per_channel(x))
+    rows = x.float() if tokens <= WEIGHT_ONLY_ROWS else dequantize(quantize_per_channel(x))
     reference = rows @ dequantize(weight).T + bias.float()
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, 384)
     assert torch.allclose(out.float(), reference, rtol=2**-7, atol=1e-3)
