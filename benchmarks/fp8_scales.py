@@ -1,6 +1,7 @@
 """FP8 weight scales on a real model: how far the next-token distributions move when the decoder blocks' projections
 are rounded to float8 e4m3 with one scale per output channel (what `rollout.quantization=fp8` decodes with), per
-128 x 128 block, or per group of 128 or 64 inputs of a channel (issue 53: "say which, measured").
+128 x 128 block, or per group of 128 or 64 inputs of a channel (issue 53: "say which, measured"), and per channel
+with the projections' inputs rounded per token too (what `torch._scaled_mm` multiplies).
 
     PYTHONPATH=. python3 benchmarks/fp8_scales.py --model DIR [--out FILE]
 
@@ -40,6 +41,15 @@ SCHEMES = {
     "group_1x128": lambda w: grouped(w, 128),
     "group_1x64": lambda w: grouped(w, 64),
 }
+ACTIVATIONS = "per_channel_activations_per_token"
+"""One more scheme: the per-channel weights with each projection's input rows rounded per token too, what
+`torch._scaled_mm` multiplies (`fp8.fp8_linear` past `fp8.WEIGHT_ONLY_ROWS` rows)."""
+
+
+def round_inputs(module: torch.nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook: the projection's input `[..., in]` rounded to e4m3 per token, back in float32."""
+    rows = args[0].reshape(-1, args[0].shape[-1])
+    return (dequantize(quantize_per_channel(rows)).view_as(args[0]),)
 
 
 def main() -> None:
@@ -61,14 +71,25 @@ def main() -> None:
     with torch.no_grad():
         reference = model(**batch).logits.log_softmax(-1)
         result = {"model": args.model, "tokens": int(real.sum()), "projections": len(projections), "schemes": {}}
-        for scheme, rounded in SCHEMES.items():
-            for name, weight in projections.items():
-                weight.copy_(rounded(kept[name]))
+
+        def measure(scheme: str) -> None:
             log_probs = model(**batch).logits.log_softmax(-1)
             kl = (reference.exp() * (reference - log_probs)).sum(-1)[real].mean().item()
             same = (reference.argmax(-1) == log_probs.argmax(-1))[real].float().mean().item()
             result["schemes"][scheme] = {"kl_nats_per_token": round(kl, 4), "same_top_token": round(same, 4)}
             print(scheme, result["schemes"][scheme], flush=True)
+
+        for scheme, rounded in SCHEMES.items():
+            for name, weight in projections.items():
+                weight.copy_(rounded(kept[name]))
+            measure(scheme)
+        for name, weight in projections.items():
+            weight.copy_(SCHEMES["per_channel"](kept[name]))
+        modules = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS]
+        hooks = [module.register_forward_pre_hook(round_inputs) for module in modules]
+        measure(ACTIVATIONS)
+        for hook in hooks:
+            hook.remove()
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
