@@ -35,6 +35,8 @@ CASES = textwrap.dedent(
         if fp8:  # an FP8 cache: the kernel computes in the queries' dtype on the rounded keys and values
             k_pool, v_pool = k_pool.to(torch.float8_e4m3fn), v_pool.to(torch.float8_e4m3fn)
             k, v = (t.to(torch.float8_e4m3fn).float() for t in (k, v))
+        for row in range(rows):  # pages wholly of left padding: the scratch page, as `KVPages` leaves them
+            table[row, : [0, 140, slot, 3][row % 4] // 128] = 0
         if rows > 1:
             table[1] = 0  # a row that holds no page (finished) reads nothing
         out = decode_attention(q, k_pool, v_pool, table, filled, torch.tensor([slot]), 0.3, splits=splits,
@@ -67,8 +69,9 @@ def run_cases(cases: list[tuple]) -> list[dict]:
 
 def test_kernel_attends_over_the_filled_slots_up_to_the_new_token_only():
     """4 rows x 2 key/value heads x 7 query heads each, 300 cache slots of which 261 up to the new token's slot:
-    no padding, left padding past the first block of 128 slots, a row that sees its new token only, gaps; NaN past
-    the slot is never read, and a row whose table names no page gives zeros. Head size 80 (Phi's) is computed in
+    no padding, left padding past the first block of 128 slots, a row that sees its new token only, gaps (a page of
+    left padding is the scratch page in its table); NaN past the slot is never read, and a row whose table names no
+    page gives zeros. Head size 80 (Phi's) is computed in
     128 lanes with the last 48 masked; one chunk."""
     for head_dim, result in zip((16, 80), run_cases([(4, 16, 1, 0), (4, 80, 1, 0)]), strict=True):
         assert result["shape"] == [4, 2, 7, head_dim] and result["finite"]

@@ -150,8 +150,8 @@ def test_partial_rollouts_row_says_what_bounds_them_and_the_mismatch_row_can_be_
         "actor.mismatch_check=off",
     )
     assert rows["partial rollouts"].detail.startswith(
-        "on: 24 prompts in flight for 16 a step (over_sample 1.5), rounds of up to 3 tokens (ended once 16 prompts are "
-        "finished) a trajectory, a trajectory spans at most 4 steps (max_staleness 3)"
+        "on: 24 prompts in flight for 16 a step (over_sample 1.5), one round a step (ended once 16 prompts are "
+        "finished), a trajectory spans at most 4 steps (max_staleness 3)"
     )
     assert rows["rollout vs training"].detail == "not checked (actor.mismatch_check=off)"
 

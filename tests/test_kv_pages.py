@@ -89,3 +89,51 @@ def test_decoding_through_a_pool_that_grows_gives_the_same_tokens_and_log_probs(
     expected = logits.gather(-1, tokens[:, :, None]).squeeze(-1)
     filled = torch.arange(300) < lengths[:, None]
     torch.testing.assert_close(log_probs[filled], expected[filled], atol=1e-5, rtol=0)
+
+
+def test_a_rows_pages_begin_at_its_first_real_token():
+    """A batch whose rows' real tokens begin at slots 0, 130, 300 and 1000 (left padding): each row gets pages from
+    the page of its first real token to the slots asked for, none for the pages of padding before it (the
+    scratch page stays in its table there); they come back when it finishes, compaction carries where they begin,
+    and the next batch begins afresh."""
+    pages = pages_of(rows=4, length=1000)  # 8 pages a row
+    pages.assign([0, 1, 2, 3], rows=4, slots=200)  # a batch without padding: 2 pages each
+    pages.begin(torch.tensor([0, 130, 300, 999]))
+    assert pages.held.tolist() == [0, 0, 0, 0] and len(pages.free) == 32 and not pages.table.any()
+    pages.assign([0, 1, 2, 3], rows=4, slots=4 * PAGE)  # slots 0-511: pages 0-3
+    assert pages.first.tolist() == [0, 1, 2, 7] and pages.held.tolist() == [4, 3, 2, 0]
+    assert (pages.host[0, :4] > 0).all() and pages.host[1, 0] == 0 and (pages.host[1, 1:4] > 0).all()
+    assert not pages.host[2, :2].any() and (pages.host[2, 2:4] > 0).all() and not pages.host[:, 4:].any()
+    pages.assign([1, 2, 3], rows=4, slots=1000)  # row 0 finished; rows 1-3 to page 7
+    assert pages.held.tolist() == [0, 7, 6, 1] and len(pages.free) == 32 - 14 and pages.most_held == 14
+    pages.assign([1, 3], rows=4, slots=1000)  # row 2 finished too
+    row_3 = pages.host[3].clone()
+    pages.move([3, 1], rows=4)
+    assert pages.first.tolist() == [7, 1, 0, 0] and pages.held.tolist() == [1, 7, 0, 0]
+    assert torch.equal(pages.host[0], row_3) and torch.equal(pages.table, pages.host)
+    pages.begin(torch.tensor([0, 0]))  # the next batch: every row's pages back
+    assert pages.held.tolist() == [0, 0, 0, 0] and len(pages.free) == 32 and pages.first.tolist() == [0, 0, 0, 0]
+
+
+def test_left_padding_takes_no_pages_and_decodes_as_the_unpadded_prompt(tiny_model_dir):
+    """Prompts of 180, 5 and 60 tokens left-padded to 200 slots, 20 greedy tokens each: the rows hold 2, 1 and 1
+    pages (from the page of their first real token: slots 20, 195 and 140), not the 2 each of the padded
+    rectangle, and each row's log-probs are those of a fresh forward of its unpadded prompt and tokens."""
+    from ketch.models import load_causal_lm
+    from ketch.rollout.sampling import Sampling
+    from ketch.rollout.static_decoding import StaticDecoder
+
+    model, reference = (load_causal_lm(str(tiny_model_dir), torch.float32).eval() for _ in range(2))
+    lengths = [180, 5, 60]
+    input_ids = torch.randint(9, 60, (3, 200), generator=torch.Generator().manual_seed(0))
+    attention_mask = (torch.arange(200) >= 200 - torch.tensor(lengths)[:, None]).long()
+    decoder = StaticDecoder(model, compile_step=False, buckets=False)
+    tokens, log_probs = decoder.generate(input_ids * attention_mask, attention_mask, 20, Sampling(False), [], 0)
+    pages = decoder.caches[(3, 220)].pages
+    assert pages.first.tolist() == [0, 1, 1] and pages.most_held == 4
+    for row, length in enumerate(lengths):
+        sequence = torch.cat([input_ids[row, 200 - length :], tokens[row]])[None]
+        with torch.no_grad():
+            logits = reference(sequence).logits[0, length - 1 : -1].log_softmax(-1)
+        expected = logits.gather(-1, tokens[row, :, None]).squeeze(-1)
+        torch.testing.assert_close(log_probs[row], expected, atol=1e-5, rtol=0)

@@ -189,8 +189,8 @@ def test_the_doctor_line_says_what_partial_rollouts_bound():
         ]
     )
     assert describe_partial_rollouts(on) == (
-        "on: 6 prompts in flight for 4 a step (over_sample 1.5), rounds of up to 500 tokens (ended once 4 prompts are "
-        "finished) a trajectory, a trajectory spans at most 2 steps (max_staleness 1); its older tokens weighted by "
+        "on: 6 prompts in flight for 4 a step (over_sample 1.5), one round a step (ended once 4 prompts are "
+        "finished), a trajectory spans at most 2 steps (max_staleness 1); its older tokens weighted by "
         "truncated importance sampling (actor.rollout_is=token, at most 2)"
     )
 

@@ -56,7 +56,8 @@ def test_shape_buckets_give_the_same_greedy_tokens_and_log_probs(tiny_model_dir)
 
 def test_long_prompts_prefill_in_groups_of_rows_as_in_one_forward(tiny_model_dir, monkeypatch):
     """With room for 1 or 2 prompts of 5 tokens a prefill forward (`PREFILL_TOKENS` 5 or 10: groups of 1, or of
-    2 then 1), 3 ragged prompts decode the greedy tokens and log-probs of one prefill over all 3 rows."""
+    2 then 1, from the longest prompt down, each from its longest prompt's first column), 3 ragged prompts decode
+    the greedy tokens and log-probs of one prefill over all 3 rows."""
     from ketch.models import load_causal_lm
     from ketch.rollout import static_decoding
     from ketch.rollout.sampling import Sampling
@@ -65,8 +66,11 @@ def test_long_prompts_prefill_in_groups_of_rows_as_in_one_forward(tiny_model_dir
     input_ids = torch.randint(4, 40, (3, 5), generator=torch.Generator().manual_seed(3))
     attention_mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
     out = {}
+    groups = {15: [([0, 2, 1], 0)], 10: [([0, 2], 0), ([1], 2)], 5: [([0], 0), ([2], 1), ([1], 2)]}
     for tokens in (15, 10, 5):
         monkeypatch.setattr(static_decoding, "PREFILL_TOKENS", tokens)
+        found = static_decoding.prefill_groups(attention_mask)
+        assert [(rows.tolist(), first) for rows, first in found] == groups[tokens]
         decoder = static_decoding.StaticDecoder(model, compile_step=False, buckets=False)
         out[tokens] = decoder.generate(input_ids * attention_mask, attention_mask, 6, Sampling(False), [8], 0)
     for tokens in (10, 5):

@@ -7,6 +7,7 @@
 # Stage a3b: a GRPO step of that shape (LAYERS layers: the machine's 64 GB disk does not hold all 48 in bf16) with
 # LoRA on the attention projections and routing replay (R3), the rollout reading the frozen experts in place.
 # Stage matmul: `benchmarks/fp8_matmul.py`, each projection in bf16, `_scaled_mm` and the FP8 weight kernel.
+# Stage steps: GRPO steps of the 0.5B, 1.5B and 7B shapes (7B with LoRA) on the fixed workload, bf16 and FP8.
 # Each stage has its own time limit and writes its JSON to $OUT as it ends; STAGES picks some of them:
 #   PYTHONPATH=. STAGES="tests matmul fp8 moe a3b" LAYERS=24 bash benchmarks/device/fp8_moe.sh
 set -u
@@ -26,6 +27,16 @@ if [[ $STAGES == *fp8* ]]; then
         name=7b$(echo "$flag" | tr -d ' -' | sed 's/^./_&/')  # 7b, 7b_fp8, 7b_fp8kvfp8
         stage "$name" 240 python3 benchmarks/decode_step.py --model qwen2.5-7b --rows 4 64 --steps 2 \
             --long-step 8192 $flag --out "$OUT/decode_$name.json"
+    done
+fi
+if [[ $STAGES == *steps* ]]; then  # GRPO steps on the fixed workload, bf16 against FP8 (the 7B shape with LoRA)
+    for scale in full 1.5b 7b; do
+        lora=$([[ $scale == 7b ]] && echo "--lora-rank 32")
+        for fp8 in "" rollout.quantization=fp8; do
+            name=step_${scale}${fp8:+_fp8}
+            stage "$name" 200 python3 benchmarks/rl_step.py --variant grpo --scale "$scale" $lora --warmup 1 --steps 3 \
+                --out "$OUT/$name.json" --set model.gradient_checkpointing=true $fp8
+        done
     done
 fi
 if [[ $STAGES == *moe* ]]; then

@@ -4,7 +4,7 @@
 # one warm-up step, one timed), the same at the first length with partial rollouts (5 timed steps), decode attention
 # against the memory floor with a captured step at 32k of context, then the fixed workload. Each stage has its own
 # time limit and writes its JSON to $OUT as it ends; STAGES picks some of them, PARTIAL adds settings to the partial
-# stage (e.g. "rollout.partial.over_sample=2 rollout.partial.max_staleness=3": rounds of a quarter of the length).
+# stage (e.g. "rollout.partial.over_sample=2 rollout.partial.max_staleness=3").
 # From the repository root:
 #   PYTHONPATH=. STAGES="tests grpo partial floor fixed" bash benchmarks/device/long_decode.sh 32768 16384
 set -u

@@ -112,7 +112,7 @@ RANGES: dict[type, dict[str, str | tuple[str, str]]] = {
     },
     PartialRolloutConfig: {
         "over_sample": ("[1, inf)", "a multiple of data.train_batch_size, e.g. 1.5"),
-        "round_tokens": (COUNT, "null uses data.max_response_length / (max_staleness + 1)"),
+        "round_tokens": (COUNT, "null: no budget (multi-turn: max_response_length / (max_staleness + 1))"),
         "max_staleness": NON_NEGATIVE,
     },
     RewardModelConfig: {"micro_batch_size_per_device": COUNT},

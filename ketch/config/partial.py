@@ -15,10 +15,14 @@ def in_flight_prompts(config: KetchConfig) -> int:
 
 
 def round_tokens(config: KetchConfig) -> int:
-    """Tokens an unfinished trajectory generates per round (`rollout.partial.round_tokens`, whose None is
-    `data.max_response_length / (max_staleness + 1)` rounded up); multi-turn: tokens it samples, over its turns."""
-    p = config.rollout.partial
-    return p.round_tokens or -(-config.data.max_response_length // (p.max_staleness + 1))
+    """Tokens an unfinished trajectory generates per round at most (`rollout.partial.round_tokens`); multi-turn:
+    tokens it samples, over its turns. None is no budget (`data.max_response_length`: the round ends when enough
+    prompts are finished), but for multi-turn rollouts, whose rounds do not stop early: `data.max_response_length /
+    (max_staleness + 1)`, rounded up."""
+    p, length = config.rollout.partial, config.data.max_response_length
+    if p.round_tokens:
+        return p.round_tokens
+    return -(-length // (p.max_staleness + 1)) if config.rollout.multi_turn.enable else length
 
 
 def partial_rollout_problem(config: KetchConfig) -> str | None:
@@ -48,7 +52,7 @@ def partial_rollout_problem(config: KetchConfig) -> str | None:
             f"rollout.partial: a trajectory gets at most (max_staleness + 1) x round_tokens = {p.max_staleness + 1} x "
             f"{round_tokens(c)} tokens before it is dropped as stale, fewer than data.max_response_length="
             f"{c.data.max_response_length}, so long responses could never finish; raise rollout.partial.round_tokens "
-            "or rollout.partial.max_staleness (or set round_tokens=null)"
+            "or rollout.partial.max_staleness (or set round_tokens=null: no budget)"
         )
     return None
 
@@ -59,14 +63,18 @@ def describe_partial_rollouts(config: KetchConfig) -> str:
     if not p.enable:
         return "off: every step generates its prompts' responses to the end (rollout.partial.enable=false)"
     a = c.actor
-    tokens = (
-        "sampled tokens (over its turns; a cut turn goes on at the next round)"
-        if c.rollout.multi_turn.enable
-        else f"tokens (ended once {c.data.train_batch_size} prompts are finished)"
-    )
+    if c.rollout.multi_turn.enable:
+        rounds = (
+            f"rounds of up to {round_tokens(c)} sampled tokens a trajectory (over its turns; a cut turn goes on at "
+            "the next round)"
+        )
+    else:
+        ended = f"ended once {c.data.train_batch_size} prompts are finished"
+        budget = f"rounds of up to {p.round_tokens} tokens a trajectory" if p.round_tokens else "one round a step"
+        rounds = f"{budget} ({ended})"
     return (
         f"on: {in_flight_prompts(c)} prompts in flight for {c.data.train_batch_size} a step (over_sample "
-        f"{p.over_sample:g}), rounds of up to {round_tokens(c)} {tokens} a trajectory, a trajectory spans at most "
+        f"{p.over_sample:g}), {rounds}, a trajectory spans at most "
         f"{p.max_staleness + 1} steps (max_staleness {p.max_staleness}); its older tokens weighted by truncated "
         f"importance sampling (actor.rollout_is={a.rollout_is}, at most {a.rollout_is_threshold:g})"
     )

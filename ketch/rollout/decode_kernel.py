@@ -4,7 +4,8 @@ Each program attends the query heads that share one key/value head, as one block
 row's KV cache: programs `(row, key/value head, split)`, the cache from its first slot to the new token's slot cut
 into `splits` chunks of whole blocks. The unfilled end of the cache is never read. The cache is paged
 (`kv_pages.py`): the row's n-th page of slots is at the pool page its table row names; a row whose table names no
-page (a finished row, or one that pads a batch) reads nothing. Keys come in blocks of slots within a page
+page for the new token's slot (a finished row, or one that pads a batch) reads nothing, and the pages of a row's
+left padding are the scratch page, masked. Keys come in blocks of slots within a page
 (`_blocks`); the softmax is accumulated online (running maximum and sum), in float32. Masked slots (left padding,
 a sliding window's past) score -inf and are not read. With more than one split, each chunk's normalised output and
 its log-sum-exp go to float32 buffers that a second kernel merges (`_merge`). The split count depends only on the
@@ -181,8 +182,9 @@ def _decode_attention(
     dims = tl.full([1, DIM_PAD], 1, tl.int1) if DIM_PAD == HEAD_DIM else d[None, :] < HEAD_DIM
     q_mask = (g[:, None] < GROUP) & dims
     q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
-    paged = tl.load(table_ptr + row * table_row) != 0  # page 0 is the scratch page: the row holds none
-    end = tl.where(paged, tl.load(slot_ptr) + 1, 0)
+    slot = tl.load(slot_ptr)
+    paged = tl.load(table_ptr + row * table_row + slot // PAGE) != 0  # the scratch page: the row holds none
+    end = tl.where(paged, slot + 1, 0)
     chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N  # whole blocks: a block never straddles two pages
     first = split * chunk
     last = tl.minimum(first + chunk, end)

@@ -6,10 +6,10 @@ A decode step at the long tail of a batch reads every weight for a few rows, so 
 router stay as they are) an FP8 copy with one float32 scale per output channel, made again from the bf16 weights
 at each hand-off: the bf16 weights stay, untouched, for `weight_norm` and the next copy. On CUDA the FP8 matmul is
 `torch._scaled_mm` with the activations quantized per token on the fly; elsewhere (the CPU tests) the same
-arithmetic runs in float32; a decode step (at most `WEIGHT_ONLY_ROWS` rows) multiplies the FP8 weights with the
-rows unquantized instead, in a Triton kernel (`few_rows_kernel.py`). 128 x 128 block scales (as DeepSeek-V3's
-checkpoints) are here for comparing the rounding error; the decoder uses per-channel scales, which `_scaled_mm`
-takes as its row-wise scaling.
+arithmetic runs in float32; a decode step of at most `WEIGHT_ONLY_ROWS` rows (the long tail) multiplies the FP8
+weights with the rows unquantized instead, in a Triton kernel (`few_rows_kernel.py`). 128 x 128 block scales (as
+DeepSeek-V3's checkpoints) are here for comparing the rounding error; the decoder uses per-channel scales, which
+`_scaled_mm` takes as its row-wise scaling.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def dequantize(weight: FP8Weight) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, weight: FP8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias` for `x` `[..., in]` and a per-channel `weight` (`[out, in]`, both sides multiples of
-    16), in `x`'s dtype. Up to `WEIGHT_ONLY_ROWS` rows (a decode step) multiply the weight unquantized
-    (`fp8_weight_matmul`); more rows (a prefill) are quantized to e4m3 per token for `torch._scaled_mm` on CUDA
+    16), in `x`'s dtype. Up to `WEIGHT_ONLY_ROWS` rows (a decode step at the long tail) multiply the weight
+    unquantized (`fp8_weight_matmul`); more rows are quantized to e4m3 per token for `torch._scaled_mm` on CUDA
     (`scaled_mm_linear`), elsewhere the same arithmetic in float32."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] <= WEIGHT_ONLY_ROWS:
@@ -101,12 +101,14 @@ def scaled_mm_linear(rows: torch.Tensor, weight: FP8Weight, bias: torch.Tensor |
     return torch._scaled_mm(quantized.data, weight.data.t(), quantized.scale, scale_b, bias=bias, out_dtype=rows.dtype)
 
 
-WEIGHT_ONLY_ROWS = 256
-"""The most rows `fp8_linear` multiplies with the FP8 weight unquantized (`few_rows_kernel.py`): a decode step's
-rows keep their bf16 values, only the weights are rounded. Rounding the activations per token as well, as
-`_scaled_mm` needs, doubles how far FP8 moves a small model: SmolLM2-135M's next-token distributions by 0.108
-nats a token against 0.049 for the weights alone (`benchmarks/fp8_scales.py`, CPU, 2026-12-07), which trained
-0.12 below the bf16 rollout in 40 GRPO steps of 256-row decode steps (2026-12-07, H100)."""
+WEIGHT_ONLY_ROWS = 16
+"""The most rows `fp8_linear` multiplies with the FP8 weight unquantized (`few_rows_kernel.py`): the long tail's
+steps, whose time is the weights' bytes. Wider steps round the activations per token for `_scaled_mm`, which
+moves a small model further (SmolLM2-135M's next-token distributions by 0.108 nats a token against 0.049 for the
+weights alone, `benchmarks/fp8_scales.py`, CPU) but decodes faster: on an H100 the 7B shape's captured step at 64
+rows took 5.40 ms so against 6.98 ms with the kernel at every step up to 256 rows (bf16: 6.23 ms), whose
+SmolLM2 runs learned 0.07 and 0.11 below bf16 in 40 GRPO steps against 0.12 so (2026-12-07,
+`benchmarks/results/2026-12-07_h100_night.md`)."""
 
 
 @torch.library.custom_op("ketch::fp8_weight_matmul", mutates_args=())

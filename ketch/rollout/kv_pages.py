@@ -1,7 +1,8 @@
 """The static decoder's KV cache in pages: a row holds the slots it has filled, not the longest response.
 
 Rows decode in lockstep (at each step every row writes the same cache slot), so a row needs pages up to the current
-slot only, and a finished row needs none. Per block, keys and values live in a pool `[pages, kv_heads, PAGE,
+slot only, from the page of its first real token (its left padding before is neither written nor read), and a
+finished row needs none. Per block, keys and values live in a pool `[pages, kv_heads, PAGE,
 head_dim]`; `table` `[rows, length / PAGE]` (int64, at a fixed address that CUDA graphs and the Triton kernel read)
 maps each row's n-th page of slots to its page in the pool. Page 0 is scratch: rows that have finished, and the rows
 that pad a batch, write there and read nothing of use. The host hands pages out at the decoder's checks
@@ -30,8 +31,9 @@ with no scale (as vLLM's default scale of 1)."""
 
 class KVPages:
     """The pools of one (rows, length) shape's KV cache, its page table and the host's record of it: `host`
-    `[rows, length / PAGE]` (the table as last sent), `held` `[rows]` (pages each row holds, its table row's
-    first entries), the free pages, and `most_held`, the most pages the rows have held at once."""
+    `[rows, length / PAGE]` (the table as last sent), `first` `[rows]` (the page of each row's first real token),
+    `held` `[rows]` (pages each row holds: its table row's entries from `first` on), the free pages, and
+    `most_held`, the most pages the rows have held at once."""
 
     def __init__(
         self,
@@ -48,6 +50,7 @@ class KVPages:
         self.table = torch.zeros(rows, self.per_row, dtype=torch.long, device=device)
         self.host = torch.zeros(rows, self.per_row, dtype=torch.long)
         self.held = torch.zeros(rows, dtype=torch.long)
+        self.first = torch.zeros(rows, dtype=torch.long)
         pages = 1 + rows * min(self.per_row, POOL_SLOTS_PER_ROW // PAGE)
         dtype = dtype or next(attentions[0].parameters()).dtype
         size = (pages, shape.kv_heads, PAGE, shape.head_dim)
@@ -61,6 +64,21 @@ class KVPages:
         """Pages in each pool, the scratch page included."""
         return self.pools[0][0].shape[0]
 
+    def begin(self, first_slots: torch.Tensor) -> None:
+        """A new batch whose first `len(first_slots)` rows' real tokens begin at slots `first_slots` `[rows]`: every
+        row gives its pages back, and those rows' pages will begin at the page of that slot (`assign` hands them
+        out)."""
+        self._give_back(self.held.nonzero().flatten().tolist())
+        self.first.zero_()
+        self.first[: len(first_slots)] = first_slots.cpu() // PAGE
+        self.table.copy_(self.host)
+
+    def _give_back(self, rows: list[int]) -> None:
+        for row in rows:
+            first = int(self.first[row])
+            self.free += self.host[row, first : first + self.held[row]].tolist()
+            self.host[row], self.held[row] = 0, 0
+
     def assign(self, unfinished: list[int], rows: int, slots: int) -> bool:
         """Of the first `rows` rows, rows `unfinished` get pages for their first `slots` slots, and every other row
         gives its pages back and writes into the scratch page from now on; a changed table goes to the device (call
@@ -69,19 +87,18 @@ class KVPages:
         others = torch.ones(rows, dtype=torch.bool)
         others[unfinished] = False
         finished = (others & (self.held[:rows] > 0)).nonzero().flatten().tolist()
-        for row in finished:
-            self.free += self.host[row, : self.held[row]].tolist()
-            self.host[row], self.held[row] = 0, 0
+        self._give_back(finished)
         need = min(-(-slots // PAGE), self.per_row)
-        wanted = (need - self.held[unfinished]).clamp(min=0)
+        wanted = (need - self.first[unfinished] - self.held[unfinished]).clamp(min=0)
         short = int(wanted.sum()) - len(self.free)
         if short > 0:
             self._grow(short)
         for i in wanted.nonzero().flatten().tolist():
-            row, first = unfinished[i], int(self.held[unfinished[i]])
-            for n in range(first, first + int(wanted[i])):
+            row = unfinished[i]
+            end = int(self.first[row] + self.held[row])
+            for n in range(end, end + int(wanted[i])):
                 self.host[row, n] = self.free.pop()
-            self.held[row] = first + int(wanted[i])
+            self.held[row] += int(wanted[i])
         if finished or wanted.any():
             self.most_held = max(self.most_held, int(self.held.sum()))
             self.table.copy_(self.host)
@@ -91,8 +108,8 @@ class KVPages:
         """Compaction: rows `order` of the first `rows` (each holding pages or none: `assign` gave back the others)
         become the first `len(order)` rows, in that order; the rest of the first `rows` write into the scratch page."""
         kept = len(order)
-        self.host[:kept], self.held[:kept] = self.host[order], self.held[order]
-        self.host[kept:rows], self.held[kept:rows] = 0, 0
+        self.host[:kept], self.held[:kept], self.first[:kept] = self.host[order], self.held[order], self.first[order]
+        self.host[kept:rows], self.held[kept:rows], self.first[kept:rows] = 0, 0, 0
         self.table.copy_(self.host)
 
     def _grow(self, short: int) -> None:

@@ -68,6 +68,23 @@ PREFILL_TOKENS = 32768
 of tokens a row) prefill in groups of rows, so that their activations stay within a few GiB."""
 
 
+def prefill_groups(attention_mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The prefill's groups of left-padded prompts (`attention_mask` `[batch, prompt_len]`): rows `[n]` (int64, on
+    the mask's device) from the longest prompt (first real token to the end) down, each group as many as fit
+    `PREFILL_TOKENS` at its longest prompt's length (one row at least), with the column its longest prompt begins
+    at. A partial rollout's continuations (thousands of tokens) and fresh prompts (tens) then prefill apart, each
+    at its own length."""
+    firsts = attention_mask.int().argmax(-1).tolist()  # an all-padding row: 0, its whole length
+    order = sorted(range(len(firsts)), key=lambda row: firsts[row])
+    groups, start, prompt_len = [], 0, attention_mask.shape[1]
+    while start < len(order):
+        first = firsts[order[start]]
+        end = start + max(1, PREFILL_TOKENS // (prompt_len - first))
+        groups.append((torch.tensor(order[start:end], device=attention_mask.device), first))
+        start = end
+    return groups
+
+
 def _decode_block(block: nn.Module, *args, **kwargs):
     """`block`'s own forward, in a function of its own for the decoder to compile: where torch.compile itself
     compiles it, dynamo keeps its shape history (which makes shapes that changed dynamic) and its recompile
@@ -188,27 +205,27 @@ class StaticDecoder:
 
     def _prefill(self, b: DecodeBuffers, input_ids, attention_mask, positions, experts=None, images=None):
         """Logits `[batch, vocab]` of the prompts' last positions, with their keys and values written into `b`'s
-        cache: eager (the prompt runs once a call: not worth a compile), in groups of rows of at most
-        `PREFILL_TOKENS` tokens, each with its rows' `images`; the prompt tokens' experts go to `experts` `[batch,
+        cache: eager (the prompt runs once a call: not worth a compile), in groups of rows of similar lengths
+        (`prefill_groups`), each group from its longest prompt's first token on (the left padding before it is
+        neither computed nor cached), with its rows' `images`; the prompt tokens' experts go to `experts` `[batch,
         length, moe_layers, top_k]` where given."""
-        batch, prompt_len = input_ids.shape
-        slots = torch.arange(prompt_len, device=input_ids.device)
-        group = max(1, PREFILL_TOKENS // prompt_len)
-        logits = []
+        prompt_len = input_ids.shape[1]
+        logits = None
         with eager():
-            for first in range(0, batch, group):
-                rows = slice(first, first + group)
+            for rows, first in prefill_groups(attention_mask):
                 b.use(rows)
-                inputs = (
-                    image_model_inputs(self.model.config, input_ids[rows], images[rows]) if images is not None else {}
-                )
-                logits.append(
-                    self._step(input_ids[rows], attention_mask[rows], positions[..., rows, :], slots, **inputs)
-                )
+                ids, kept = input_ids[rows, first:], slice(first, None)
+                inputs = {}
+                if images is not None:
+                    inputs = image_model_inputs(self.model.config, ids, [images[i] for i in rows.tolist()])
+                slots = torch.arange(first, prompt_len, device=ids.device)
+                out = self._step(ids, attention_mask[rows, kept], positions[..., rows, kept], slots, **inputs)
+                logits = out.new_empty(len(input_ids), *out.shape[1:]) if logits is None else logits
+                logits[rows] = out
                 if experts is not None:
-                    experts[rows, :prompt_len] = self.routing.chosen().view(-1, prompt_len, *experts.shape[2:])
+                    experts[rows, first:prompt_len] = self.routing.chosen().view(len(rows), -1, *experts.shape[2:])
         b.use()
-        return torch.cat(logits)
+        return logits
 
     def _buffers(self, batch: int, length: int, device: torch.device) -> DecodeBuffers:
         key = (batch, length)

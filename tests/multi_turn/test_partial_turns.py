@@ -416,6 +416,6 @@ def test_a_checkpoints_single_turn_trajectories_are_refused_by_a_multi_turn_run(
 
 
 def test_the_doctor_line_says_a_multi_turn_round_counts_sampled_tokens(tiny_config):
-    assert "rounds of up to 4 sampled tokens (over its turns; a cut turn goes on at the next round) a trajectory" in (
+    assert "rounds of up to 4 sampled tokens a trajectory (over its turns; a cut turn goes on at the next round)" in (
         describe_partial_rollouts(tiny_config(*BUFFER))
     )

@@ -49,16 +49,19 @@ class PartialRolloutConfig:
     """Prompts in flight per step, as a multiple of data.train_batch_size (rounded up): the groups beyond the first
     data.train_batch_size finished ones are carried to the next step, finished or not."""
     round_tokens: int | None = None
-    """Tokens an unfinished trajectory generates per round at most: a step's generation stops once data.train_batch_size
-    prompts have every sample finished, within the round (the rows still going are cut there; a trajectory in its last
-    step before max_staleness goes on to its end), so a round is the token budget of a step when it finishes enough
-    prompts. Multi-turn: tokens the model samples, over as many turns as fit (environment answers are not counted); a
-    turn the round cuts goes on at the next round, and a round runs its turns to their ends. None =
-    data.max_response_length / (max_staleness + 1), rounded up."""
+    """A token budget: tokens an unfinished trajectory generates per round at most. A step's generation stops once
+    data.train_batch_size prompts have every sample finished, within the round (the rows still going are cut there;
+    a trajectory in its last step before max_staleness goes on to its end); a round that spends its budget first is
+    followed by another, which prefills the trajectories' tokens so far again. Multi-turn: tokens the model samples,
+    over as many turns as fit (environment answers are not counted); a turn the round cuts goes on at the next
+    round, and a round runs its turns to their ends. None = no budget (data.max_response_length): one round a step,
+    ended by the prompts finished; multi-turn, whose rounds do not end early, data.max_response_length /
+    (max_staleness + 1), rounded up."""
     max_staleness: int = 1
     """Steps a trajectory may span after the one that began it: one begun more than this many steps before the
-    current one is dropped (its tokens counted in partial/tokens_dropped) and sampled again from its prompt.
-    (max_staleness + 1) x round_tokens must reach data.max_response_length, so that every trajectory can finish."""
+    current one is dropped (its tokens counted in partial/tokens_dropped) and sampled again from its prompt. With
+    round_tokens set, (max_staleness + 1) x round_tokens must reach data.max_response_length, so that every
+    trajectory can finish."""
 
 
 @dataclass(frozen=True)
