@@ -333,3 +333,14 @@ def test_a_round_of_the_whole_length_ends_once_the_batch_is_finished(
     left = trainer.partial.rows.batch
     assert left["response_length"].tolist() == [*left_lengths, 0, 0, 0, 0]
     assert left["finished"].tolist() == [*left_finished, False, False, False, False]
+
+
+def test_without_a_token_budget_a_step_is_one_round_cut_where_the_batch_is_finished(tiny_config):
+    """No `round_tokens`: each step's generation is one round, which the rollout stops once 4 of the 6 groups in
+    flight are finished; the rows it cut are carried unfinished with their tokens (no round prefills them twice)."""
+    config = tiny_config(*PARTIAL, GRPO, STOPS, "data.max_response_length=24", "trainer.total_steps=3")
+    trainer = PPOTrainer(config)
+    trainer.fit()
+    records = read_metrics(trainer.run_dir / "metrics.jsonl")
+    assert [r["partial/rounds"] for r in records] == [1.0, 1.0, 1.0]
+    assert [r["partial/carried_unfinished"] for r in records] == [3.0, 2.0, 1.0]
