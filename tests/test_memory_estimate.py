@@ -99,7 +99,8 @@ def test_long_responses_count_their_activations_and_the_settings_that_shrink_the
     """GRPO on the 7B shape with 32k-token responses on one 140 GiB GPU, state offloaded: a micro-batch of one
     sequence (512 + 32,768 tokens, over the 16,384-token budget, alone) with recomputation keeps 45.8 GiB; the
     checkpoints in host memory take 0.2 MB a token off; the hf rollout's KV cache for 64 rows of 33,280 tokens
-    (113.8 GiB) shrinks to one sub-batch of rollout.max_num_batched_tokens=133120 (4 rows)."""
+    (113.8 GiB) shrinks to one sub-batch of rollout.max_num_batched_tokens=133120 (4 rows); partial rollouts with
+    twice the prompts in flight double it."""
     long = [*LONG, "data.max_response_length=32768", "model.gradient_checkpointing=true"]
     config = load_config(overrides=long)
     tokens = 512 + 32768
@@ -119,6 +120,9 @@ def test_long_responses_count_their_activations_and_the_settings_that_shrink_the
     assert parts["generation"]["KV cache"] == 4 * tokens * 28 * 2 * 4 * 128 * 2
     assert memory_row(fitted, QWEN25_7B, 140 * GIB).status == "ok"
     assert memory_row(load_config(overrides=[*FIXED[1:], "trainer.device=cpu"]), QWEN25_7B, None) is None
+    partial = ["rollout.partial.enable=true", "rollout.partial.over_sample=2", "actor.rollout_is=token"]
+    parts = gpu_memory_parts(load_config(overrides=[*long, *partial]), QWEN25_7B, P, 140 * GIB)
+    assert parts["generation"]["KV cache"] == 128 * tokens * 28 * 2 * 4 * 128 * 2  # 32 prompts in flight x 4
 
 
 def test_a_critic_a_reference_megatron_shards_and_vllms_share():

@@ -28,6 +28,7 @@ from torch import nn
 
 from ketch.architecture import attention_shape, intermediate_size
 from ketch.config.batch import derive_batch_plan
+from ketch.config.partial import in_flight_prompts
 from ketch.config.schema import KetchConfig
 
 PHASES = ("update", "generation")
@@ -165,14 +166,15 @@ def _sequence_length(config: KetchConfig) -> int:
 
 
 def _kv_bytes(config: KetchConfig, model: Any) -> int:
-    """The hf rollout's KV cache on one GPU at most: its tensor-parallel group's share of the step's sequences (at
-    most the rows that rollout.max_num_batched_tokens holds), each of up to data.max_prompt_length +
-    data.max_response_length tokens, keys and values in every layer. The static decoder's paged cache holds less
-    where responses end early (`ketch/rollout/kv_pages.py`); this is its size when every response runs to the limit.
-    An FP8 cache (`rollout.kv_cache_dtype=fp8`) takes a byte a number."""
+    """The hf rollout's KV cache on one GPU at most: its tensor-parallel group's share of the step's sequences (with
+    partial rollouts, of the prompts in flight; at most the rows that rollout.max_num_batched_tokens holds), each of
+    up to data.max_prompt_length + data.max_response_length tokens, keys and values in every layer. The static
+    decoder's paged cache holds less where responses end early (`ketch/rollout/kv_pages.py`); this is its size when
+    every response runs to the limit. An FP8 cache (`rollout.kv_cache_dtype=fp8`) takes a byte a number."""
     r, sequence = config.rollout, _sequence_length(config)
     groups = max(1, config.rollout_processes(gpu_visible=True) // r.tensor_parallel_size)
-    rows = -(-config.data.train_batch_size * r.n // groups)
+    prompts = in_flight_prompts(config) if r.partial.enable else config.data.train_batch_size
+    rows = -(-prompts * r.n // groups)
     if r.max_num_batched_tokens is not None:
         rows = min(rows, max(1, r.max_num_batched_tokens // sequence))
     shape = attention_shape(model)
