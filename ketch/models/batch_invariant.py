@@ -83,13 +83,20 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: `query` `[batch, heads, q_len, head_dim]`, `key`/`value` `[batch, kv_heads,
     kv_len, head_dim]`, `attention_mask` `[batch, 1, q_len, kv_len]` (True: attend) -> `[batch, q_len, heads,
-    head_dim]`. Each row's keys that some query attends (not padding) are moved to the front, so that a sequence's
-    keys fall into the same blocks however far it is padded; each query then walks them in blocks of `KEYS` with an
-    online softmax. A block wholly masked leaves the running sums as they were, so a decode step over its cache and
-    a forward over the whole sequence (whose later keys are masked) compute each query alike. A query with no key to
-    attend gives zeros."""
+    head_dim]`. On CUDA: `invariant_attention.TrainingAttention` (each query over its row's real keys up to its own,
+    `kwargs`' `sliding_window` honoured, one Triton kernel). Elsewhere: each row's keys that some query attends
+    (not padding) are moved to the front, so that a sequence's keys fall into the same blocks however far it is
+    padded; each query then walks them in blocks of `KEYS` with an online softmax. A block wholly masked leaves the
+    running sums as they were, so a decode step over its cache and a forward over the whole sequence (whose later
+    keys are masked) compute each query alike. A query with no key to attend gives zeros."""
     if dropout or kwargs.get("softcap") is not None or attention_mask is None:
         raise ValueError(f"{ATTENTION} attention on {type(module).__name__}: dropout, soft-capping or no mask")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if query.is_cuda:  # one Triton kernel, the decoder's too (`invariant_attention.py`)
+        from ketch.models.invariant_attention import TrainingAttention
+
+        real = attention_mask[:, 0].any(1)
+        return TrainingAttention.apply(query, key, value, real, scale, kwargs.get("sliding_window")), None
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     rows = heads // kv_heads * q_len  # the queries of the heads that share a key head, as rows of one matmul
@@ -103,7 +110,6 @@ def attention(
     q = q.view(batch, kv_heads, -1, ROWS, head_dim)
     key, value = (F.pad(t, (0, 0, 0, pad_k)) for t in (key, value))
     mask = F.pad(mask, (0, pad_k, 0, pad_q)).view(batch, 1, q.shape[2], ROWS, -1)
-    scale = head_dim**-0.5 if scaling is None else scaling
     out = _walk_keys(q, key, value, mask, scale)
     out = out.flatten(2, 3)[:, :, :rows].reshape(batch, heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), None

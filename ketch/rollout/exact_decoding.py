@@ -39,8 +39,13 @@ order, when fewer than 16 rows are reduced together (its reduce config gives eac
 leave), so a batch decodes in at least `ROWS` rows (`min_rows`; compaction stops there too); the training forward
 reduces many tokens together.
 
-**Cost.** The step runs eagerly (about 100 kernels a layer on Qwen2.5-0.5B's layout with a cache of 384 slots,
-captured), and the walk covers every key block of the cache at every step, since a CUDA graph has fixed shapes.
+**On CUDA** both sides attend through one Triton kernel instead (`ketch.models.invariant_attention`, the same
+walk, each query row's arithmetic its own), the decode step reading the paged cache through the page table from
+each row's first filled slot (`_cache_runs`): no Python loop over key blocks on either side, and a step walks the
+blocks its rows' keys fill, not the whole cache. The walks above are the CPU's.
+
+**Cost.** The step runs eagerly (with the CPU's walk about 100 kernels a layer on Qwen2.5-0.5B's layout with a
+cache of 384 slots), captured into CUDA graphs on CUDA.
 """
 
 from __future__ import annotations
@@ -72,6 +77,12 @@ def _compacted_slots(mask: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     inside = slots < length
     slots = slots.clamp(max=length - 1)
     return table.gather(1, slots // PAGE), slots % PAGE, mask.gather(1, slots) & inside
+
+
+def _cache_runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first filled slot and number of filled slots `[rows]` (int64), from `mask` `[rows, length]` (True: a
+    filled slot, one run per row): where `invariant_attention` finds the row's real tokens."""
+    return mask.byte().argmax(-1), mask.sum(-1)
 
 
 def _walk_cache(
@@ -138,8 +149,14 @@ def exact_cached_attention(
     write(keys, table, cache_slots, key)
     write(values, table, cache_slots, value)
     if query.shape[2] > 1:
+        kwargs["sliding_window"] = sliding_window
         return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if query.is_cuda:  # the training forward's Triton kernel over the paged cache
+        from ketch.models.invariant_attention import invariant_attention
+
+        first, count = module.exact_keys
+        return invariant_attention(query, (keys, values), table, first, count, count - 1, scale, sliding_window), None
     return _walk_cache(query, (keys, values), module.exact_keys, scale, sliding_window), None
 
 
@@ -225,7 +242,7 @@ class ExactDecoder(StaticDecoder):
     def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
         """Where each row's real tokens sit in the cache (`_compacted_slots`, for every block's attention), then
         the step."""
-        keys = _compacted_slots(b.mask, b.table)
+        keys = _cache_runs(b.mask) if b.mask.is_cuda else _compacted_slots(b.mask, b.table)
         for module in self.attentions:
             module.exact_keys = keys
         super()._iterate(b, sampling, is_stop, pad)
