@@ -14,7 +14,8 @@ tokens through `linear`, adding the experts' outputs to a token in the experts' 
 `_experts_forward`). What is left is
 invariant as it stands (measured, `tests/test_exact_log_probs.py`): the norms' mean over one row of the hidden size,
 the log-softmax over the vocabulary (one row per thread), the rotary cos/sin of a position, and elementwise
-arithmetic."""
+arithmetic. On CUDA the projections and attention run Triton kernels of fixed tiles instead, the same for both
+sides (`invariant_matmul.py`, `invariant_attention.py`), whose rows' arithmetic does not depend on the other rows."""
 
 from __future__ import annotations
 
@@ -48,13 +49,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class _BlockLinear(torch.autograd.Function):
     """`rows @ weight.T`, `[n, in]` -> `[n, out]`, forward in blocks of `ROWS` rows against one `weight` shared
-    (not copied) by every block. The backward needs no batch invariance (only forward results are compared) and
-    runs as plain matmuls: autograd's own backward of the shared weight would make a `[blocks, in, out]` gradient
-    before summing it, 9 GB a projection for 8k tokens of a 0.5B model."""
+    (not copied) by every block (on CUDA: `invariant_matmul`, a Triton kernel of fixed tiles). The backward needs
+    no batch invariance (only forward results are compared) and runs as plain matmuls: autograd's own backward of
+    the shared weight would make a `[blocks, in, out]` gradient before summing it, 9 GB a projection for 8k tokens
+    of a 0.5B model."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
+        if rows.is_cuda:  # one Triton kernel of fixed tiles (`invariant_matmul.py`)
+            from ketch.models.invariant_matmul import invariant_matmul
+
+            return invariant_matmul(rows.contiguous(), weight.contiguous())
         blocks = _blocks(rows)
         return torch.bmm(blocks, weight.T.expand(blocks.shape[0], *weight.T.shape)).flatten(0, 1)[: rows.shape[0]]
 
