@@ -24,6 +24,8 @@ def invariant_matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, inputs = rows.shape
     outputs = weight.shape[0]
     out = rows.new_empty(n, outputs)
+    if n == 0:  # an expert no token chose
+        return out
     grid = (triton.cdiv(n, BLOCK_M), triton.cdiv(outputs, BLOCK_N))
     _matmul[grid](
         rows, weight, out, n, outputs, inputs, rows.stride(0), weight.stride(0),
