@@ -183,15 +183,30 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     return out
 
 
-_MOE_FORWARDS = {"Qwen3MoeTopKRouter": _router_forward, "Qwen3MoeExperts": _experts_forward}
-"""The mixture-of-experts modules switched, by class name, to their batch-invariant forward."""
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """A Llama/Qwen RMSNorm: on CUDA `invariant_norm.InvariantRMSNorm` (one program a row); elsewhere the class's
+    own forward (invariant on the CPU as it stands)."""
+    if hidden_states.is_cuda:
+        from ketch.models.invariant_norm import InvariantRMSNorm
+
+        return InvariantRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
+    return super(type(self), self).forward(hidden_states)
+
+
+_FORWARDS = {
+    "Qwen3MoeTopKRouter": _router_forward,
+    "Qwen3MoeExperts": _experts_forward,
+    **dict.fromkeys(("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"), _rms_norm_forward),
+}
+"""The modules switched, by class name, to their batch-invariant forward: a mixture of experts' router and experts,
+the RMSNorms."""
 
 
 @functools.cache
 def _batch_invariant_class(cls: type) -> type:
     """A subclass of `cls` (so that transformers' output recorders still find its instances) with its
     batch-invariant forward."""
-    return type(f"BatchInvariant{cls.__name__}", (cls,), {"forward": _MOE_FORWARDS[cls.__name__]})
+    return type(f"BatchInvariant{cls.__name__}", (cls,), {"forward": _FORWARDS[cls.__name__]})
 
 
 class BatchInvariantLinear(nn.Linear):
@@ -210,9 +225,9 @@ class BatchInvariantSiLU(nn.Module):
 
 def make_batch_invariant(model: nn.Module) -> nn.Module:
     """Switch a HF causal LM to batch-invariant ops in place: its linear layers (the output projection among them)
-    to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, a mixture's router and experts to
-    their batch-invariant forwards, its attention to `attention` under a boolean mask. Raises ValueError for a
-    model `architecture.batch_invariant_problem` refuses."""
+    to `BatchInvariantLinear`, its SiLU activations to `BatchInvariantSiLU`, a mixture's router and experts and its
+    RMSNorms to their batch-invariant forwards, its attention to `attention` under a boolean mask. Raises
+    ValueError for a model `architecture.batch_invariant_problem` refuses."""
     from transformers import AttentionInterface, AttentionMaskInterface
 
     if problem := batch_invariant_problem(model.config):
@@ -223,7 +238,7 @@ def make_batch_invariant(model: nn.Module) -> nn.Module:
                 child.__class__ = BatchInvariantLinear
             elif type(child).__name__ in ("SiLU", "SiLUActivation"):
                 setattr(parent, name, BatchInvariantSiLU())
-            elif type(child).__name__ in _MOE_FORWARDS:
+            elif type(child).__name__ in _FORWARDS:
                 child.__class__ = _batch_invariant_class(type(child))
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, boolean_mask)

@@ -37,7 +37,8 @@ those heads are (its blocks hold other tokens' rows too: a row's result does not
 **Rows.** On CUDA torch reduces a row over the hidden size (the RMSNorms' mean) with more threads, in another
 order, when fewer than 16 rows are reduced together (its reduce config gives each row the threads the other rows
 leave), so a batch decodes in at least `ROWS` rows (`min_rows`; compaction stops there too); the training forward
-reduces many tokens together.
+reduces many tokens together. (The RMSNorms now run one Triton program a row on CUDA, `invariant_norm.py`; the
+floor stays until a GPU shows the steps agree without it.)
 
 **On CUDA** both sides attend through one Triton kernel instead (`ketch.models.invariant_attention`, the same
 walk, each query row's arithmetic its own), the decode step reading the paged cache through the page table from
