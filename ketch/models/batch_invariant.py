@@ -42,34 +42,35 @@ def _blocks(rows: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ weight.T + bias`, `[..., in]` -> `[..., out]`, each row computed in a `[ROWS, in] @ [in, out]` matmul."""
-    out = _BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight)
-    out = out if bias is None else out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return _BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 class _BlockLinear(torch.autograd.Function):
-    """`rows @ weight.T`, `[n, in]` -> `[n, out]`, forward in blocks of `ROWS` rows against one `weight` shared
-    (not copied) by every block (on CUDA: `invariant_matmul`, a Triton kernel of fixed tiles). The backward needs
+    """`rows @ weight.T + bias`, `[n, in]` -> `[n, out]`, forward in blocks of `ROWS` rows against one `weight`
+    shared (not copied) by every block, the bias (or None) added after (on CUDA: `invariant_matmul`, a Triton kernel
+    of fixed tiles that adds the bias before its one rounding). The backward needs
     no batch invariance (only forward results are compared) and runs as plain matmuls: autograd's own backward of
     the shared weight would make a `[blocks, in, out]` gradient before summing it, 9 GB a projection for 8k tokens
     of a 0.5B model."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
         if rows.is_cuda:  # one Triton kernel of fixed tiles (`invariant_matmul.py`)
             from ketch.models.invariant_matmul import invariant_matmul
 
-            return invariant_matmul(rows.contiguous(), weight.contiguous())
+            return invariant_matmul(rows.contiguous(), weight.contiguous(), bias)
         blocks = _blocks(rows)
-        return torch.bmm(blocks, weight.T.expand(blocks.shape[0], *weight.T.shape)).flatten(0, 1)[: rows.shape[0]]
+        out = torch.bmm(blocks, weight.T.expand(blocks.shape[0], *weight.T.shape)).flatten(0, 1)[: rows.shape[0]]
+        return out if bias is None else out + bias
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
         grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.T @ rows if ctx.needs_input_grad[1] else None
-        return grad_rows, grad_weight
+        grad_bias = grad.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_rows, grad_weight, grad_bias
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
