@@ -144,11 +144,13 @@ class TrainingAttention(torch.autograd.Function):
         query, key, value, real = ctx.saved_tensors
         mask = training_mask(real, query.shape[2], ctx.window)
         some = mask.any(-1, keepdim=True)  # a query with no key gives zeros: attend anything, pass no gradient back
+        group = query.shape[1] // key.shape[1]
         with torch.enable_grad():
             inputs = [t.detach().requires_grad_() for t in (query, key, value)]
-            out = F.scaled_dot_product_attention(
-                *inputs, attn_mask=mask | ~some, scale=ctx.scale, enable_gqa=query.shape[1] != key.shape[1]
-            )
+            # keys and values repeated per query head rather than `enable_gqa`, which may send a masked SDPA to the
+            # math kernel (a [heads, length, length] score matrix) instead of the memory-efficient one
+            q, k, v = inputs[0], *(t.repeat_interleave(group, 1) for t in inputs[1:])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~some, scale=ctx.scale)
             grads = torch.autograd.grad(out, inputs, grad.transpose(1, 2) * some)
         return *grads, None, None, None
 
