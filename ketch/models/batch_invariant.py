@@ -14,12 +14,14 @@ tokens through `linear`, adding the experts' outputs to a token in the experts' 
 `_experts_forward`). What is left is
 invariant as it stands (measured, `tests/test_exact_log_probs.py`): the norms' mean over one row of the hidden size,
 the log-softmax over the vocabulary (one row per thread), the rotary cos/sin of a position, and elementwise
-arithmetic. On CUDA the projections and attention run Triton kernels of fixed tiles instead, the same for both
-sides (`invariant_matmul.py`, `invariant_attention.py`), whose rows' arithmetic does not depend on the other rows."""
+arithmetic. On CUDA (and under Triton's interpreter: `on_kernels`) the projections, the RMSNorms and attention run
+Triton kernels instead, the same for both sides (`invariant_matmul.py`, `invariant_norm.py`,
+`invariant_attention.py`), whose rows' arithmetic does not depend on the other rows."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
@@ -33,6 +35,12 @@ ROWS = 16
 """Rows per block of every matmul: the fewest at which the CPU's matmul takes its general path."""
 KEYS = 64
 """Keys per block of attention."""
+
+
+def on_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the batch-invariant Triton kernels compute for `tensor`: on CUDA, and on the CPU under Triton's
+    interpreter (`TRITON_INTERPRET=1`: how the CPU tests run the GPU's path)."""
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _blocks(rows: torch.Tensor) -> torch.Tensor:
@@ -56,7 +64,7 @@ class _BlockLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(rows, weight)
-        if rows.is_cuda:  # one Triton kernel of fixed tiles (`invariant_matmul.py`)
+        if on_kernels(rows):  # one Triton kernel of fixed tiles (`invariant_matmul.py`)
             from ketch.models.invariant_matmul import invariant_matmul
 
             return invariant_matmul(rows.contiguous(), weight.contiguous(), bias)
@@ -101,7 +109,7 @@ def attention(
     if dropout or kwargs.get("softcap") is not None or attention_mask is None:
         raise ValueError(f"{ATTENTION} attention on {type(module).__name__}: dropout, soft-capping or no mask")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if query.is_cuda:  # one Triton kernel, the decoder's too (`invariant_attention.py`)
+    if on_kernels(query):  # one Triton kernel, the decoder's too (`invariant_attention.py`)
         from ketch.models.invariant_attention import TrainingAttention
 
         real = attention_mask[:, 0].any(1)
@@ -189,7 +197,7 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """A Llama/Qwen RMSNorm: on CUDA `invariant_norm.InvariantRMSNorm` (one program a row); elsewhere the class's
     own forward (invariant on the CPU as it stands)."""
-    if hidden_states.is_cuda:
+    if on_kernels(hidden_states):
         from ketch.models.invariant_norm import InvariantRMSNorm
 
         return InvariantRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ketch.models.batch_invariant import KEYS, ROWS, attention, boolean_mask, label_log_probs, linear
+from ketch.models.batch_invariant import KEYS, ROWS, attention, boolean_mask, label_log_probs, linear, on_kernels
 from ketch.rollout.decode_buffers import DecodeBuffers
 from ketch.rollout.kv_pages import PAGE, write
 from ketch.rollout.moe_decode import in_decode_step
@@ -153,7 +153,7 @@ def exact_cached_attention(
         kwargs["sliding_window"] = sliding_window
         return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if query.is_cuda:  # the training forward's Triton kernel over the paged cache
+    if on_kernels(query):  # the training forward's Triton kernel over the paged cache
         from ketch.models.invariant_attention import invariant_attention
 
         first, count = module.exact_keys
@@ -243,7 +243,7 @@ class ExactDecoder(StaticDecoder):
     def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
         """Where each row's real tokens sit in the cache (`_compacted_slots`, for every block's attention), then
         the step."""
-        keys = _cache_runs(b.mask) if b.mask.is_cuda else _compacted_slots(b.mask, b.table)
+        keys = _cache_runs(b.mask) if on_kernels(b.mask) else _compacted_slots(b.mask, b.table)
         for module in self.attentions:
             module.exact_keys = keys
         super()._iterate(b, sampling, is_stop, pad)
