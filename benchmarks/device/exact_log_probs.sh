@@ -11,7 +11,8 @@ mkdir -p "$OUT/logs"
 STAGES=${STAGES:-tests steps}
 stage() { local name=$1; shift; echo "=== $name $(date -u +%T)"; timeout "$@" >"$OUT/logs/$name.log" 2>&1; echo "rc=$? $(date -u +%T)"; tail -n 3 "$OUT/logs/$name.log"; }
 if [[ $STAGES == *tests* ]]; then
-    stage gpu_tests 200 python3 -m pytest tests/gpu/test_exact_log_probs_gpu.py -q -p no:cacheprovider
+    stage gpu_tests 240 python3 -m pytest tests/gpu/test_invariant_kernels_gpu.py tests/gpu/test_exact_log_probs_gpu.py -q \
+        -p no:cacheprovider
 fi
 if [[ $STAGES == *twenty* ]]; then  # the gap at each of 20 steps: the 0.5B shape, a tiny Qwen3-MoE (warmed up first)
     stage twenty_0.5b 150 python3 benchmarks/rl_step.py --variant grpo --warmup 0 --steps 20 \
