@@ -96,8 +96,7 @@ class DecodeBuffers:
     ):
         """Set up for left-padded prompts `[rows, prompt_len]` whose last positions are `positions` `[rows, 1]`: the
         prompt's slots filled, the first `slots` slots paged from each row's first real token on (up to the
-        decoder's first check), nothing decoded, rows from
-        `active_rows` on finished from the start."""
+        decoder's first check), nothing decoded, rows from `active_rows` on finished from the start."""
         prompt_len = attention_mask.shape[1]
         self.pages.begin(attention_mask.int().argmax(-1))
         self.provide(list(range(active_rows)), slots)

@@ -1,9 +1,9 @@
 """The static decoder's KV cache in pages: a row holds the slots it has filled, not the longest response.
 
 Rows decode in lockstep (at each step every row writes the same cache slot), so a row needs pages up to the current
-slot only, from the page of its first real token (its left padding before is neither written nor read), and a
-finished row needs none. Per block, keys and values live in a pool `[pages, kv_heads, PAGE,
-head_dim]`; `table` `[rows, length / PAGE]` (int64, at a fixed address that CUDA graphs and the Triton kernel read)
+slot only, from the page of its first real token (the pages of its left padding are the scratch page, never
+read), and a finished row needs none. Per block, keys and values live in a pool `[pages, kv_heads, PAGE, head_dim]`;
+`table` `[rows, length / PAGE]` (int64, at a fixed address that CUDA graphs and the Triton kernel read)
 maps each row's n-th page of slots to its page in the pool. Page 0 is scratch: rows that have finished, and the rows
 that pad a batch, write there and read nothing of use. The host hands pages out at the decoder's checks
 (`KVPages.assign`: pages for the slots up to the next check), takes back the pages of finished rows, and moves
