@@ -86,24 +86,24 @@ END_TO_END = textwrap.dedent(
     import copy, json, torch
     from ketch.data import build_char_tokenizer
     from ketch.engine.heads import PolicyModel
-    from ketch.models import invariant_attention, invariant_matmul, invariant_norm
+    from ketch.models import invariant_attention, invariant_matmul, invariant_norm, invariant_rotary
     from ketch.models.batch_invariant import make_batch_invariant
     from ketch.models.tiny import build_tiny_model
     from ketch.rollout.exact_decoding import ExactDecoder
     from ketch.rollout.sampling import Sampling
 
-    calls = {"attention": 0, "matmul": 0, "norm": 0}
+    calls = {"attention": 0, "matmul": 0, "norm": 0, "rotary": 0}
     for module, name, key in ((invariant_attention, "invariant_attention", "attention"),
                               (invariant_matmul, "invariant_matmul", "matmul")):
         def counted(*args, _f=getattr(module, name), _k=key, **kwargs):
             calls[_k] += 1
             return _f(*args, **kwargs)
         setattr(module, name, counted)
-    norm = invariant_norm.InvariantRMSNorm.forward
-    def counted_norm(*args):
-        calls["norm"] += 1
-        return norm(*args)
-    invariant_norm.InvariantRMSNorm.forward = staticmethod(counted_norm)
+    for function, key in ((invariant_norm.InvariantRMSNorm, "norm"), (invariant_rotary.Rotary, "rotary")):
+        def counted_forward(*args, _f=function.forward, _k=key):
+            calls[_k] += 1
+            return _f(*args)
+        function.forward = staticmethod(counted_forward)
     import ketch.models.batch_invariant  # noqa: the kernels are looked up at call time
 
     model = build_tiny_model(build_char_tokenizer(), hidden_size=64, intermediate_size=96, num_layers=2,
@@ -130,8 +130,8 @@ END_TO_END = textwrap.dedent(
 def test_the_exact_decoder_and_the_training_forward_through_the_kernels_agree_bit_for_bit():
     """The GPU's path of `rollout.exact_log_probs` run by the interpreter on the CPU (float32): a tiny Qwen2 (heads
     of 16) decodes 6 sampled tokens after prompts of 70, 3 and 66 tokens through the kernels (attention, matmul,
-    RMSNorm, each called), and the padded training forward through the same kernels gives its log-probs, bit for
-    bit."""
+    RMSNorm, rotary embedding, each called), and the padded training forward through the same kernels gives its
+    log-probs, bit for bit."""
     result = interpreted(END_TO_END)
     assert result["diff"] == 0.0 and result["real"], result
     assert min(result["calls"].values()) > 0, result

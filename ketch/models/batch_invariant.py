@@ -14,9 +14,10 @@ tokens through `linear`, adding the experts' outputs to a token in the experts' 
 `_experts_forward`). What is left is
 invariant as it stands (measured, `tests/test_exact_log_probs.py`): the norms' mean over one row of the hidden size,
 the log-softmax over the vocabulary (one row per thread), the rotary cos/sin of a position, and elementwise
-arithmetic. On CUDA (and under Triton's interpreter: `on_kernels`) the projections, the RMSNorms and attention run
-Triton kernels instead, the same for both sides (`invariant_matmul.py`, `invariant_norm.py`,
-`invariant_attention.py`), whose rows' arithmetic does not depend on the other rows."""
+arithmetic. On CUDA (and under Triton's interpreter: `on_kernels`) the projections, the RMSNorms, the rotary
+embedding and attention run Triton kernels instead, the same for both sides (`invariant_matmul.py`,
+`invariant_norm.py`, `invariant_rotary.py`, `invariant_attention.py`), whose rows' arithmetic does not depend on
+the other rows."""
 
 from __future__ import annotations
 
@@ -204,13 +205,42 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return super(type(self), self).forward(hidden_states)
 
 
+def _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    """A Llama/Qwen2/Qwen3 attention layer (`[batch, length, hidden]` -> `[batch, length, hidden]` and the
+    interface's weights): with the kernels (`on_kernels`) transformers' forward with the rotary embedding in one
+    launch for the query and one for the key (`invariant_rotary.Rotary`); elsewhere the class's own forward."""
+    if not on_kernels(hidden_states):
+        return super(type(self), self).forward(
+            hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+        )
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from ketch.models.invariant_rotary import Rotary
+
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    query, key, value = (proj(hidden_states).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    if hasattr(self, "q_norm"):  # Qwen3's per-head norms
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key = (Rotary.apply(t.transpose(1, 2), *position_embeddings) for t in (query, key))
+    value = value.transpose(1, 2)
+    if past_key_values is not None:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    out, weights = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](
+        self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs,
+    )  # fmt: skip
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention")
 _FORWARDS = {
     "Qwen3MoeTopKRouter": _router_forward,
     "Qwen3MoeExperts": _experts_forward,
     **dict.fromkeys(("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"), _rms_norm_forward),
+    **dict.fromkeys(_ATTENTIONS, _attention_forward),
 }
 """The modules switched, by class name, to their batch-invariant forward: a mixture of experts' router and experts,
-the RMSNorms."""
+the RMSNorms, the attention layers."""
 
 
 @functools.cache
