@@ -51,12 +51,13 @@ def invariant_attention(
     out = query.new_empty(rows, q_len, heads, head_dim)
     key, value = pools
     grid = (rows, kv_heads, triton.cdiv(q_len * group, BLOCK_M))
+    dim_pad = max(16, triton.next_power_of_2(head_dim))  # a side of `tl.dot` is at least 16 (the tests' heads of 8)
     _attend[grid](
         query, key, value, table, first, count, offset, out,
         q_len, scale, window or 0,
         *query.stride()[:3], *out.stride()[:3], *key.stride()[:3], *value.stride()[:3], table.stride(0),
         PRECISION="ieee" if query.dtype == torch.float32 else None,  # float32 without TF32's rounding
-        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_M=BLOCK_M, KEYS=KEYS,
+        GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_M=BLOCK_M, KEYS=KEYS,
         PAGE=key.shape[2], WINDOW=window is not None,
     )  # fmt: skip
     return out
