@@ -202,7 +202,7 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         from ketch.models.invariant_norm import InvariantRMSNorm
 
         return InvariantRMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
-    return super(type(self), self).forward(hidden_states)
+    return self.own_forward(hidden_states)
 
 
 def _attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
@@ -210,9 +210,7 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     interface's weights): with the kernels (`on_kernels`) transformers' forward with the rotary embedding in one
     launch for the query and one for the key (`invariant_rotary.Rotary`); elsewhere the class's own forward."""
     if not on_kernels(hidden_states):
-        return super(type(self), self).forward(
-            hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
-        )
+        return self.own_forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ketch.models.invariant_rotary import Rotary
@@ -246,8 +244,10 @@ the RMSNorms, the attention layers."""
 @functools.cache
 def _batch_invariant_class(cls: type) -> type:
     """A subclass of `cls` (so that transformers' output recorders still find its instances) with its
-    batch-invariant forward."""
-    return type(f"BatchInvariant{cls.__name__}", (cls,), {"forward": _FORWARDS[cls.__name__]})
+    batch-invariant forward, and `cls`'s as `own_forward`."""
+    return type(
+        f"BatchInvariant{cls.__name__}", (cls,), {"forward": _FORWARDS[cls.__name__], "own_forward": cls.forward}
+    )
 
 
 class BatchInvariantLinear(nn.Linear):
