@@ -24,4 +24,7 @@ if [[ $STAGES == *steps* ]]; then
     run="python3 benchmarks/rl_step.py --variant grpo --warmup 2 --steps 5"
     stage default 150 $run --out "$OUT/grpo_fixed_default.json"
     stage exact 200 $run --set rollout.exact_log_probs=true --out "$OUT/grpo_fixed_exact.json"
+    # without the recomputation exact mode turns on (needed by the CPU's attention walk, not by the GPU's kernels)
+    stage exact_no_recompute 200 $run --set rollout.exact_log_probs=true model.gradient_checkpointing=false \
+        --out "$OUT/grpo_fixed_exact_no_recompute.json"
 fi
