@@ -196,8 +196,8 @@ def _experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """A Llama/Qwen RMSNorm: on CUDA `invariant_norm.InvariantRMSNorm` (one program a row); elsewhere the class's
-    own forward (invariant on the CPU as it stands)."""
+    """A Llama/Qwen RMSNorm: with the kernels (`on_kernels`) `invariant_norm.InvariantRMSNorm` (one program a row);
+    elsewhere the class's own forward (invariant on the CPU as it stands)."""
     if on_kernels(hidden_states):
         from ketch.models.invariant_norm import InvariantRMSNorm
 
@@ -230,12 +230,11 @@ def _attention_forward(self, hidden_states, position_embeddings, attention_mask,
     return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
 
 
-_ATTENTIONS = ("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention")
 _FORWARDS = {
     "Qwen3MoeTopKRouter": _router_forward,
     "Qwen3MoeExperts": _experts_forward,
     **dict.fromkeys(("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"), _rms_norm_forward),
-    **dict.fromkeys(_ATTENTIONS, _attention_forward),
+    **dict.fromkeys(("LlamaAttention", "Qwen2Attention", "Qwen3Attention", "Qwen3MoeAttention"), _attention_forward),
 }
 """The modules switched, by class name, to their batch-invariant forward: a mixture of experts' router and experts,
 the RMSNorms, the attention layers."""

@@ -6,8 +6,7 @@ torch reduces a row's squares with more threads, in another order, when fewer ro
 sum of squares is always one `tl.sum` over a block of the hidden size. The formula is Llama's, Qwen2's and Qwen3's
 `RMSNorm` (`rms_norm`): `weight * (x * rsqrt(mean(x^2) + eps)).to(x's dtype)`, the normalised row rounded to the
 input's dtype before the weight multiplies it, that product rounded once; its bits need not be eager's, only the
-same on both sides. The backward differentiates the same formula in
-torch: gradients need no batch invariance.
+same on both sides. The backward differentiates the same formula in torch: gradients need no batch invariance.
 """
 
 from __future__ import annotations
