@@ -80,10 +80,13 @@ def _compacted_slots(mask: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     return table.gather(1, slots // PAGE), slots % PAGE, mask.gather(1, slots) & inside
 
 
-def _cache_runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's first filled slot and number of filled slots `[rows]` (int64), from `mask` `[rows, length]` (True: a
-    filled slot, one run per row): where `invariant_attention` finds the row's real tokens."""
-    return mask.byte().argmax(-1), mask.sum(-1)
+def _cache_runs(mask: torch.Tensor, table: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each row's first filled slot, number of filled slots and the new token's real index `[rows]` (int64), from
+    `mask` `[rows, length]` (True: a filled slot, one run per row): where `invariant_attention` finds the row's real
+    tokens; and where the step's new key goes: its page of the pools `[rows, 1]` (from the page `table`) and place
+    in it `[1]`, for the new token's `slot` `[1]`. Computed once a step, for every layer."""
+    count = mask.sum(-1)
+    return mask.byte().argmax(-1), count, count - 1, table[:, slot // PAGE], slot % PAGE
 
 
 def _walk_cache(
@@ -143,21 +146,24 @@ def exact_cached_attention(
     module's paged cache (`module.decode_kv`, as `decode_attention.cached_attention` does) at `cache_slots` `[new]`,
     then attends as the training forward does: the prompt (`new` > 1) among its own tokens through
     `batch_invariant.attention` under its boolean mask, one new token over the cache where `module.exact_keys`
-    (`_compacted_slots`, set for the step by `ExactDecoder._iterate`) says its row's real tokens sit."""
+    (`_compacted_slots`, set for the step by `ExactDecoder._iterate`) says its row's real tokens sit. With the kernels
+    (`_cache_runs`' `exact_keys`) a step writes its key and value at the page and place computed once for every
+    layer, and attends through `invariant_attention`."""
     if cache_slots is None or not hasattr(module, "decode_kv"):
         raise ValueError(f"{EXACT_DECODE} attention: call the model with `cache_slots` (see ExactDecoder)")
     keys, values, table = module.decode_kv
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if query.shape[2] == 1 and on_kernels(query):  # the training forward's Triton kernel over the paged cache
+        from ketch.models.invariant_attention import invariant_attention
+
+        first, count, last, page, place = module.exact_keys
+        keys[page, :, place], values[page, :, place] = key.transpose(1, 2), value.transpose(1, 2)
+        return invariant_attention(query, (keys, values), table, first, count, last, scale, sliding_window), None
     write(keys, table, cache_slots, key)
     write(values, table, cache_slots, value)
     if query.shape[2] > 1:
         kwargs["sliding_window"] = sliding_window
         return attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    if on_kernels(query):  # the training forward's Triton kernel over the paged cache
-        from ketch.models.invariant_attention import invariant_attention
-
-        first, count = module.exact_keys
-        return invariant_attention(query, (keys, values), table, first, count, count - 1, scale, sliding_window), None
     return _walk_cache(query, (keys, values), module.exact_keys, scale, sliding_window), None
 
 
@@ -243,7 +249,7 @@ class ExactDecoder(StaticDecoder):
     def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
         """Where each row's real tokens sit in the cache (`_compacted_slots`, for every block's attention), then
         the step."""
-        keys = _cache_runs(b.mask) if on_kernels(b.mask) else _compacted_slots(b.mask, b.table)
+        keys = _cache_runs(b.mask, b.table, b.slot) if on_kernels(b.mask) else _compacted_slots(b.mask, b.table)
         for module in self.attentions:
             module.exact_keys = keys
         super()._iterate(b, sampling, is_stop, pad)
