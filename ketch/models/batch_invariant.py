@@ -56,11 +56,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class _BlockLinear(torch.autograd.Function):
     """`rows @ weight.T + bias`, `[n, in]` -> `[n, out]`, forward in blocks of `ROWS` rows against one `weight`
-    shared (not copied) by every block, the bias (or None) added after (on CUDA: `invariant_matmul`, a Triton kernel
-    of fixed tiles that adds the bias before its one rounding). The backward needs
-    no batch invariance (only forward results are compared) and runs as plain matmuls: autograd's own backward of
-    the shared weight would make a `[blocks, in, out]` gradient before summing it, 9 GB a projection for 8k tokens
-    of a 0.5B model."""
+    shared (not copied) by every block, the bias (or None) added after (with the kernels, `on_kernels`:
+    `invariant_matmul`, a Triton kernel of fixed tiles that adds the bias before its one rounding). The backward
+    needs no batch invariance (only forward results are compared) and runs as plain matmuls: autograd's own
+    backward of the shared weight would make a `[blocks, in, out]` gradient before summing it, 9 GB a projection for
+    8k tokens of a 0.5B model."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,12 +101,13 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: `query` `[batch, heads, q_len, head_dim]`, `key`/`value` `[batch, kv_heads,
     kv_len, head_dim]`, `attention_mask` `[batch, 1, q_len, kv_len]` (True: attend) -> `[batch, q_len, heads,
-    head_dim]`. On CUDA: `invariant_attention.TrainingAttention` (each query over its row's real keys up to its own,
-    `kwargs`' `sliding_window` honoured, one Triton kernel). Elsewhere: each row's keys that some query attends
-    (not padding) are moved to the front, so that a sequence's keys fall into the same blocks however far it is
-    padded; each query then walks them in blocks of `KEYS` with an online softmax. A block wholly masked leaves the
-    running sums as they were, so a decode step over its cache and a forward over the whole sequence (whose later
-    keys are masked) compute each query alike. A query with no key to attend gives zeros."""
+    head_dim]`. With the kernels (`on_kernels`): `invariant_attention.TrainingAttention` (each query over its row's
+    real keys up to its own, `kwargs`' `sliding_window` honoured, one Triton kernel). Elsewhere: each row's keys
+    that some query attends (not padding) are moved to the front, so that a sequence's keys fall into the same
+    blocks however far it is padded; each query then walks them in blocks of `KEYS` with an online softmax. A
+    block wholly masked leaves the running sums as they were, so a decode step over its cache and a forward over the
+    whole sequence (whose later keys are masked) compute each query alike. A query with no key to attend gives
+    zeros."""
     if dropout or kwargs.get("softcap") is not None or attention_mask is None:
         raise ValueError(f"{ATTENTION} attention on {type(module).__name__}: dropout, soft-capping or no mask")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling

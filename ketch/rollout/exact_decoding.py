@@ -59,7 +59,7 @@ from torch.nn import functional as F
 
 from ketch.models.batch_invariant import KEYS, ROWS, attention, boolean_mask, label_log_probs, linear, on_kernels
 from ketch.rollout.decode_buffers import DecodeBuffers
-from ketch.rollout.kv_pages import PAGE, write
+from ketch.rollout.kv_pages import PAGE, slot_places, write, write_at
 from ketch.rollout.moe_decode import in_decode_step
 from ketch.rollout.sampling import Sampling
 from ketch.rollout.static_decoding import StaticDecoder
@@ -80,13 +80,13 @@ def _compacted_slots(mask: torch.Tensor, table: torch.Tensor) -> tuple[torch.Ten
     return table.gather(1, slots // PAGE), slots % PAGE, mask.gather(1, slots) & inside
 
 
-def _cache_runs(mask: torch.Tensor, table: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _cache_runs(mask: torch.Tensor, table: torch.Tensor, slot: torch.Tensor) -> tuple:
     """Each row's first filled slot, number of filled slots and the new token's real index `[rows]` (int64), from
     `mask` `[rows, length]` (True: a filled slot, one run per row): where `invariant_attention` finds the row's real
-    tokens; and where the step's new key goes: its page of the pools `[rows, 1]` (from the page `table`) and place
-    in it `[1]`, for the new token's `slot` `[1]`. Computed once a step, for every layer."""
+    tokens; and where the step's new key goes under the page `table` (`kv_pages.slot_places` of the new token's
+    `slot` `[1]`). Computed once a step, for every layer."""
     count = mask.sum(-1)
-    return mask.byte().argmax(-1), count, count - 1, table[:, slot // PAGE], slot % PAGE
+    return mask.byte().argmax(-1), count, count - 1, slot_places(table, slot)
 
 
 def _walk_cache(
@@ -156,8 +156,9 @@ def exact_cached_attention(
     if query.shape[2] == 1 and on_kernels(query):  # the training forward's Triton kernel over the paged cache
         from ketch.models.invariant_attention import invariant_attention
 
-        first, count, last, page, place = module.exact_keys
-        keys[page, :, place], values[page, :, place] = key.transpose(1, 2), value.transpose(1, 2)
+        first, count, last, places = module.exact_keys
+        write_at(keys, places, key)
+        write_at(values, places, value)
         return invariant_attention(query, (keys, values), table, first, count, last, scale, sliding_window), None
     write(keys, table, cache_slots, key)
     write(values, table, cache_slots, value)
@@ -247,8 +248,8 @@ class ExactDecoder(StaticDecoder):
         return token, log_prob
 
     def _iterate(self, b: DecodeBuffers, sampling: Sampling, is_stop: torch.Tensor, pad: int) -> None:
-        """Where each row's real tokens sit in the cache (`_compacted_slots`, for every block's attention), then
-        the step."""
+        """Where each row's real tokens sit in the cache (`_cache_runs` with the kernels, else `_compacted_slots`),
+        for every block's attention, then the step."""
         keys = _cache_runs(b.mask, b.table, b.slot) if on_kernels(b.mask) else _compacted_slots(b.mask, b.table)
         for module in self.attentions:
             module.exact_keys = keys

@@ -106,9 +106,9 @@ WEIGHT_ONLY_ROWS = 16
 steps, whose time is the weights' bytes. Wider steps round the activations per token for `_scaled_mm`, which
 moves a small model further (SmolLM2-135M's next-token distributions by 0.108 nats a token against 0.049 for the
 weights alone, `benchmarks/fp8_scales.py`, CPU) but decodes faster: on an H100 the 7B shape's captured step at 64
-rows took 5.40 ms so against 6.98 ms with the kernel at every step up to 256 rows (bf16: 6.23 ms), whose
-SmolLM2 runs learned 0.07 and 0.11 below bf16 in 40 GRPO steps against 0.12 so (2026-12-07,
-`benchmarks/results/2026-12-07_h100_night.md`)."""
+rows took 5.40 ms this way against 6.98 ms with the kernel at every step up to 256 rows (bf16: 6.23 ms). SmolLM2
+runs with the kernel up to 256 rows learned 0.07 and 0.11 below bf16 in 40 GRPO steps, against 0.12 this way
+(2026-12-07, `benchmarks/results/2026-12-07_h100_night.md`)."""
 
 
 @torch.library.custom_op("ketch::fp8_weight_matmul", mutates_args=())

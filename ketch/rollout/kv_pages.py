@@ -124,14 +124,24 @@ class KVPages:
         self.free = list(range(new - 1, old - 1, -1)) + self.free
 
 
+def slot_places(table: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where cache slots `slots` `[n]` of each row sit under `table` `[rows, length / PAGE]`: their pool pages
+    `[rows, n]` and places in them `[n]` (what `write` writes at; the same for every block of a step)."""
+    return table[:, slots // PAGE], slots % PAGE
+
+
 def write(pool: torch.Tensor, table: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
     """Write `new` `[rows, kv_heads, n, head_dim]` into cache slots `slots` `[n]` of each row's pages in `pool`
-    `[pages, kv_heads, PAGE, head_dim]` under `table` `[rows, length / PAGE]`; into an FP8 pool rounded, clamped to
-    its largest value (beyond it a float8 e4m3 cast gives NaN)."""
-    page = pool.shape[2]
+    `[pages, kv_heads, PAGE, head_dim]` under `table` `[rows, length / PAGE]` (`write_at` of `slot_places`)."""
+    write_at(pool, slot_places(table, slots), new)
+
+
+def write_at(pool: torch.Tensor, places: tuple[torch.Tensor, torch.Tensor], new: torch.Tensor) -> None:
+    """Write `new` `[rows, kv_heads, n, head_dim]` at `places` (`slot_places`) of `pool`; into an FP8 pool rounded,
+    clamped to its largest value (beyond it a float8 e4m3 cast gives NaN)."""
     if pool.dtype == torch.float8_e4m3fn:
         new = new.clamp(-FP8_MAX, FP8_MAX).to(pool.dtype)
-    pool[table[:, slots // page], :, slots % page] = new.transpose(1, 2)
+    pool[places[0], :, places[1]] = new.transpose(1, 2)
 
 
 def gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
