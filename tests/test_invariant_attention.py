@@ -15,7 +15,8 @@ SCRIPT = textwrap.dedent(
     """
     import json, torch
     from torch.nn import functional as F
-    from ketch.models.invariant_attention import TrainingAttention, as_pool, invariant_attention, training_mask
+    from ketch.models.invariant_attention import PAGE, TrainingAttention, invariant_attention, training_mask
+    from ketch.models.pages import as_pool
 
     def case(window):
         g = torch.Generator().manual_seed(0)
@@ -37,8 +38,8 @@ SCRIPT = textwrap.dedent(
         # each real token's query decoded alone over its row's keys so far, at other slots of a paged cache
         # (3 pages a row, in reverse order, the row's run moved to begin at slot 7) against the training forward
         decoded, generated = [], []
-        pool_k, table = as_pool(F.pad(k.detach(), (0, 0, 7, 0)))
-        pool_v, _ = as_pool(F.pad(v.detach(), (0, 0, 7, 0)))
+        pool_k, table = as_pool(F.pad(k.detach(), (0, 0, 7, 0)), PAGE)
+        pool_v, _ = as_pool(F.pad(v.detach(), (0, 0, 7, 0)), PAGE)
         first = real.long().argmax(-1)
         for row in range(batch):
             count = int(real[row].sum())

@@ -11,7 +11,7 @@ the other rows of its tile, nor on how many blocks the program walks past the ke
 leaves the running maximum, sum and output exactly as they were: a rescale of exp(0) = 1 and zeros added).
 
 Keys and values are read through a page table from pools `[pages, kv_heads, page, head_dim]`: the decoder's paged
-cache as it is, the training forward's keys and values copied into that layout (`as_pool`). A query sees the real
+cache as it is, the training forward's keys and values copied into that layout (`pages.as_pool`). A query sees the real
 keys up to its own (and, with a sliding window, fewer than `window` back); a query with none (padding) gives
 zeros. The backward recomputes attention with SDPA under the same mask: gradients need no batch invariance.
 """
@@ -23,8 +23,11 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from ketch.models.pages import as_pool
+
 PAGE = 128
-"""Slots per page of the pools `as_pool` makes (the decoder's pools have their own, read from their shape)."""
+"""Slots per page of the training forward's pools (`as_pool`; the decoder's pools have their own, read from their
+shape)."""
 BLOCK_M = 16
 """Query rows a program attends: a decode step's query heads of one key head (7 on Qwen2.5-0.5B) fit one tile."""
 KEYS = 64
@@ -112,16 +115,6 @@ def _attend(
     tl.store(out_at, out.to(out_ptr.dtype.element_ty), (position < q_len)[:, None] & dims[None, :])
 
 
-def as_pool(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys or values `[rows, kv_heads, length, head_dim]` as a pool `[rows * pages, kv_heads, PAGE, head_dim]` (a
-    copy, the length padded to whole pages) and its table `[rows, pages]`, row r's pages in order."""
-    rows, kv_heads, length, head_dim = cache.shape
-    pages = -(-length // PAGE)
-    padded = F.pad(cache, (0, 0, 0, pages * PAGE - length))
-    pool = padded.view(rows, kv_heads, pages, PAGE, head_dim).transpose(1, 2).reshape(-1, kv_heads, PAGE, head_dim)
-    return pool, torch.arange(rows * pages, device=cache.device).view(rows, pages)
-
-
 class TrainingAttention(torch.autograd.Function):
     """The batch-invariant attention of a forward through transformers' attention interface: `query` `[batch,
     heads, q_len, head_dim]` at the last q_len of the `key`/`value` positions `[batch, kv_heads, length,
@@ -135,8 +128,8 @@ class TrainingAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, real)
         ctx.scale, ctx.window = scale, window
         first = real.long().argmax(-1)
-        pool_k, table = as_pool(key)
-        pool_v, _ = as_pool(value)
+        pool_k, table = as_pool(key, PAGE)
+        pool_v, _ = as_pool(value, PAGE)
         offset = key.shape[2] - query.shape[2] - first
         return invariant_attention(query, (pool_k, pool_v), table, first, real.sum(-1), offset, scale, window)
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ketch.architecture import AttentionShape
+from ketch.models.pages import as_pool
 
 PAGE = 128
 """Cache slots per page (a multiple of the decode kernel's blocks of slots)."""
@@ -156,10 +157,6 @@ def as_pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A contiguous cache `[rows, kv_heads, length, head_dim]` as a pool and a page table (row r's pages after those
     of the rows before it, after the scratch page, in reverse order to keep the table honest): for the kernel's
     tests and benchmark."""
-    rows, kv_heads, length, head_dim = cache.shape
-    per_row = -(-length // PAGE)
-    padded = nn.functional.pad(cache, (0, 0, 0, per_row * PAGE - length))
-    pages = padded.view(rows, kv_heads, per_row, PAGE, head_dim).transpose(1, 2).reshape(-1, kv_heads, PAGE, head_dim)
-    pool = torch.cat([pages.new_zeros(1, kv_heads, PAGE, head_dim), pages.flip(0)])
-    table = (rows * per_row - torch.arange(rows * per_row, device=cache.device)).view(rows, per_row)
-    return pool.contiguous(), table
+    pages, table = as_pool(cache, PAGE)
+    pool = torch.cat([pages.new_zeros(1, *pages.shape[1:]), pages.flip(0)])
+    return pool.contiguous(), table.numel() - table

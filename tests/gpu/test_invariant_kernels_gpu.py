@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from ketch.models.invariant_attention import TrainingAttention, as_pool, invariant_attention, training_mask
+from ketch.models.invariant_attention import PAGE, TrainingAttention, invariant_attention, training_mask
 from ketch.models.invariant_matmul import invariant_matmul
 from ketch.models.invariant_norm import InvariantRMSNorm
+from ketch.models.pages import as_pool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -39,8 +40,8 @@ def test_a_decode_step_gets_the_training_forwards_bits_and_the_backward_is_sdpas
     q = torch.randn(batch, 14, length, 64, device="cuda", generator=g).bfloat16().requires_grad_()
     k, v = (torch.randn(batch, 2, length, 64, device="cuda", generator=g).bfloat16().requires_grad_() for _ in "kv")
     out = TrainingAttention.apply(q, k, v, real, 0.125, None)
-    pool_k, table = as_pool(F.pad(k.detach(), (0, 0, 5, 0)))
-    pool_v, _ = as_pool(F.pad(v.detach(), (0, 0, 5, 0)))
+    pool_k, table = as_pool(F.pad(k.detach(), (0, 0, 5, 0)), PAGE)
+    pool_v, _ = as_pool(F.pad(v.detach(), (0, 0, 5, 0)), PAGE)
     first = real.long().argmax(-1)
     for row in range(batch):
         count = int(real[row].sum())
