@@ -9,7 +9,9 @@ sampling on by default: issue 53) and in the batch-invariant exact mode (`rollou
 package's file; the task is `lora_learning.py`'s ("What is a + b?", 300 problems to train on, 100 held out), full
 fine-tuning at lr 5e-6 in bfloat16. Writes, for each run, the greedy validation accuracy by step, the training
 reward by step, `training/rollout_probs_diff_max` and `_mean` at every step, the median step stages and the wall
-seconds.
+seconds. An FP8 run validates through its rollout (FP8 weights); the policy it trained, which it saves and exports
+in bfloat16, is also validated in bfloat16 (`policy_val_acc_bf16`: its last checkpoint exported, then validated
+before the one step of a run from it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from default_run import emit, timed_fit
 from lora_learning import SOURCE, curve, task_parser, task_settings, write_task
 
 from ketch.config import load_config
+from ketch.trainer.export import export_checkpoint
 
 VARIANTS = {
     "bf16": [],
@@ -53,9 +56,21 @@ def main() -> None:
         records, timing = timed_fit(config, "rl")
         run = {"overrides": VARIANTS[name], "val_acc": curve(records, f"val/{SOURCE}/acc")}
         run |= {field: curve(records, key) for field, key in CURVES.items()}
+        if name == "fp8":
+            run["policy_val_acc_bf16"] = policy_accuracy(common, name, work)
         result["runs"][name] = run | timing
         print(f"== {name}: validation accuracy {run['val_acc']}", flush=True)
         emit(result, args.out)  # after each run: a command cut short keeps the runs done
+
+
+def policy_accuracy(common: list[str], name: str, work: Path) -> float:
+    """The greedy validation accuracy of the weights run `name` (under `work`) ended with, decoded in bfloat16."""
+    checkpoints = (work / "runs").glob(f"**/{name}/checkpoints/global_step_*")
+    last = max(checkpoints, key=lambda path: int(path.name.rsplit("_", 1)[1]))
+    model = export_checkpoint(last, work / f"{name}_policy")
+    overrides = [*common, f"model.path={model}", "trainer.total_steps=1", f"trainer.experiment_name={name}_policy"]
+    records, _ = timed_fit(load_config(overrides=overrides), "policy")
+    return curve(records, f"val/{SOURCE}/acc")[0]
 
 
 if __name__ == "__main__":
