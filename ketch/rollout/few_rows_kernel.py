@@ -8,7 +8,7 @@ At the long tail a decode step multiplies a few rows by every weight, so its tim
 converts each tile to the activations' dtype in registers and multiplies it with the rows, accumulating in
 float32; a per-output-channel scale and a bias, where given, are applied once at the end. Programs take `BLOCK_N`
 output channels of a tile of at most `ROWS` rows each; a weight much wider in its inputs has each channel's inputs
-split over programs whose partial sums a second pass adds (`launch`).
+split over programs whose partial sums a second kernel adds, with the bias, rounding once (`launch`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ ROWS = 64
 """The most rows a program takes: one tile of `tl.dot` of 16, 32 or 64 rows (its side is at least 16); more rows
 are tiles of 64 in programs of their own. `benchmarks/fp8_matmul.py` times the kernel against `torch._scaled_mm`,
 whose per-token quantization of the activations costs about 20 µs a call on an H100 (2026-12-07)."""
+ADD_BLOCK = 1024
+"""Outputs a program of the second kernel adds the split partial sums of (one launch where torch's sum, bias and
+rounding took two or three: each a few µs of a captured step)."""
 BLOCK_K = 256
 """Input channels a program reads per iteration (a 16-channel tile of weights is 4 KiB), halved for each doubling
 of the rows' tile past 16 (their tile in shared memory stays 8 KiB in bf16)."""
@@ -85,8 +88,13 @@ def weight_matmul(
     )
     if splits == 1:
         return partial[0]
-    total = partial.sum(0)
-    return (total if bias is None else total + bias.float()).to(rows.dtype)
+    out, size = rows.new_empty(n, out_channels), n * out_channels
+    block = min(ADD_BLOCK, triton.next_power_of_2(size))
+    _add_splits[(triton.cdiv(size, block),)](
+        partial, data if bias is None else bias, out, size, out_channels, SPLITS=splits, BIASED=bias is not None,
+        BLOCK=block,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -130,3 +138,19 @@ def _weight_matmul(
         acc += tl.load(bias_ptr + channel, channel < out_channels, 0.0).to(tl.float32)[None, :]
     out = out_ptr + split * n * out_channels + row[:, None] * out_channels + channel[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), (row[:, None] < n) & (channel[None, :] < out_channels))
+
+
+@triton.jit
+def _add_splits(partial_ptr, bias_ptr, out_ptr, size, out_channels, SPLITS: tl.constexpr, BIASED: tl.constexpr,
+                BLOCK: tl.constexpr):  # fmt: skip
+    """Program i: outputs `i * BLOCK` on of `[n, out_channels]` (`size` of them), the `SPLITS` partial sums `[SPLITS,
+    n, out_channels]` (float32) added in split order, then the bias where `BIASED`, rounded once to the output's
+    dtype."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < size
+    total = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLITS):
+        total += tl.load(partial_ptr + split * size + offsets, inside, 0.0)
+    if BIASED:
+        total += tl.load(bias_ptr + offsets % out_channels, inside, 0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty), inside)
