@@ -45,7 +45,7 @@ def test_a_decode_step_gets_the_training_forwards_bits_and_the_backward_is_sdpas
     first = real.long().argmax(-1)
     for row in range(batch):
         count = int(real[row].sum())
-        for t in {0, 63, 64, count // 2, count - 1}:
+        for t in sorted({0, 63, 64, count // 2, count - 1} & set(range(count))):  # row 3 has one token
             slot = int(first[row]) + t
             step = invariant_attention(
                 q.detach()[row : row + 1, :, slot : slot + 1], (pool_k, pool_v), table[row : row + 1],
