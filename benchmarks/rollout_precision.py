@@ -26,6 +26,7 @@ from default_run import emit, timed_fit
 from lora_learning import SOURCE, curve, task_parser, task_settings, write_task
 
 from ketch.config import load_config
+from ketch.trainer.checkpoint import CheckpointManager
 from ketch.trainer.export import export_checkpoint
 
 VARIANTS = {
@@ -65,9 +66,8 @@ def main() -> None:
 
 def policy_accuracy(common: list[str], name: str, work: Path) -> float:
     """The greedy validation accuracy of the weights run `name` (under `work`) ended with, decoded in bfloat16."""
-    checkpoints = (work / "runs").glob(f"**/{name}/checkpoints/global_step_*")
-    last = max(checkpoints, key=lambda path: int(path.name.rsplit("_", 1)[1]))
-    model = export_checkpoint(last, work / f"{name}_policy")
+    (checkpoints,) = (work / "runs").glob(f"**/{name}/checkpoints")
+    model = export_checkpoint(CheckpointManager(checkpoints).latest(), work / f"{name}_policy")
     overrides = [*common, f"model.path={model}", "trainer.total_steps=1", f"trainer.experiment_name={name}_policy"]
     records, _ = timed_fit(load_config(overrides=overrides), "policy")
     return curve(records, f"val/{SOURCE}/acc")[0]
